@@ -1,0 +1,33 @@
+"""eqfuse: an equality-saturation kernel compiler for PyTorch.
+
+    compiled = eqfuse.compile(fn, example_inputs)
+    compiled(*inputs)         # same result as fn(*inputs)
+    compiled.kernels          # generated Triton kernels
+    compiled.explain()        # the plan in words
+"""
+
+import os as _os
+
+import torch as _torch
+
+# Without CUDA, kernels run in Triton's interpreter. Triton decides when it is imported
+# whether its own library functions (tl.sum ...) are interpreted, so say so before then.
+if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
+    _os.environ["TRITON_INTERPRET"] = "1"
+
+from .errors import CaptureError, EqfuseError, ExtractionError, Unschedulable, Unsupported
+from .runtime.compiled import VERSION as __version__
+from .runtime.compiled import CompiledGraph, Options
+
+
+def compile(fn, example_inputs, **options) -> CompiledGraph:  # noqa: A001 - the public name
+    """Compile ``fn`` (a function or nn.Module) for ``example_inputs``.
+
+    Options: ``max_enodes``, ``max_seconds`` (saturation limits), ``rules`` (rulesets to
+    run), ``autotune`` (time block-size candidates on the GPU).
+    """
+    return CompiledGraph(fn, example_inputs, Options.make(**options))
+
+
+__all__ = ["compile", "CompiledGraph", "Options", "EqfuseError", "CaptureError", "Unsupported",
+           "Unschedulable", "ExtractionError", "__version__"]

@@ -1,0 +1,447 @@
+"""One kernel of the plan -> one ``@triton.jit`` function.
+
+Two schedules:
+
+* pointwise: a flat index over the output, ``XBLOCK`` elements per program;
+* row reduction: ``BLOCK_R`` rows per program and the reduced axis of length ``C``
+  either whole in registers (persistent: ``BLOCK_C >= C``) or walked in ``BLOCK_C``
+  chunks, one loop per reduction stage (looped). Every reduction in a kernel is over the
+  same rows; a reduction reached through an index map that does not keep the rows raises
+  ``Unschedulable``, which extraction uses as its legality check.
+
+Float values narrower than float32 are computed in float32 and rounded where the graph
+casts them and when they are stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import Unschedulable
+from ..schema import ops
+from ..schema.plan import KernelSpec, PNode
+from ..schema.terms import bits_float  # noqa: F401  (re-exported for generated constants)
+from .indexing import (
+    ZERO,
+    Env,
+    Idx,
+    Split,
+    broadcast_env,
+    contiguous_strides,
+    env_key,
+    permute_env,
+    reshape_env,
+    shifted_env,
+    slice_env,
+    unravel,
+)
+
+PERSISTENT_MAX = 16384  # widest row kept whole in registers
+LOOP_BLOCK = 2048
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str  # pointwise | reduction
+    numel: int = 0  # pointwise
+    rows: int = 0  # reduction
+    cols: int = 0
+    reduce_shape: tuple = ()
+    persistent: bool = True
+
+    @property
+    def grid_size(self) -> int:
+        return self.numel if self.kind == "pointwise" else self.rows
+
+
+def schedule_of(spec: KernelSpec) -> Schedule:
+    nodes = spec.walk()
+    reduces = [n for n in nodes if n.op == "reduce"]
+    if not reduces:
+        sizes = {root.numel for root, _ in spec.roots}
+        if len(sizes) != 1:
+            raise Unschedulable("pointwise roots of different sizes")
+        return Schedule("pointwise", numel=sizes.pop())
+    shapes = {tuple(r.args[0].shape) for r in reduces}
+    if len(shapes) != 1:
+        raise Unschedulable(f"reductions over different shapes {sorted(shapes)}")
+    shape = shapes.pop()
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    for root, _ in spec.roots:
+        if root.numel not in (rows * cols, rows):
+            raise Unschedulable(f"root of {root.numel} elements in a {rows}x{cols} reduction")
+    return Schedule("reduction", rows=rows, cols=cols, reduce_shape=shape,
+                    persistent=next_pow2(cols) <= PERSISTENT_MAX)
+
+
+@dataclass
+class Val:
+    expr: str
+    axes: frozenset
+
+
+class KernelWriter:
+    def __init__(self, spec: KernelSpec, buffers: dict, sched: Schedule):
+        self.spec = spec
+        self.buffers = buffers
+        self.s = sched
+        self.lines: list[str] = []  # kernel body at row scope
+        self.loop: list[str] | None = None  # body of the loop being written
+        self.memo_outer: dict = {}
+        self.memo_loop: dict = {}
+        self.n = 0
+        self.params: list[str] = []  # buffer names, in signature order
+        big = any(self.buffers[b].numel >= 2**31 for b in self._buffer_names())
+        self.index_dtype_cast = ".to(tl.int64)" if big else ""
+
+    # --- small helpers -----------------------------------------------------------------------
+    def _buffer_names(self):
+        names = [n.attrs[0] for n in self.spec.walk() if n.op == "load"]
+        names += [b for _, b in self.spec.roots]
+        return list(dict.fromkeys(names))
+
+    def fresh(self, prefix="t"):
+        self.n += 1
+        return f"{prefix}{self.n}"
+
+    def line(self, text: str, axes):
+        target = self.loop if (self.loop is not None and "c" in axes) else self.lines
+        target.append(text)
+
+    def assign(self, expr: str, axes, prefix="t") -> Val:
+        name = self.fresh(prefix)
+        self.line(f"{name} = {expr}", axes)
+        return Val(name, frozenset(axes))
+
+    def mask(self, axes, guard: Idx | None = None) -> str | None:
+        parts = []
+        if "x" in axes and self.s.numel % self.cfg_x_even != 0:
+            parts.append("xmask")
+        if "r" in axes and not self.rows_even:
+            parts.append("rmask")
+        if "c" in axes and not self.cols_even:
+            parts.append("cmask")
+        if guard is not None:
+            parts.append(guard.expr)
+        return " & ".join(parts) if parts else None
+
+    # --- environments ------------------------------------------------------------------------
+    def base_envs(self):
+        if self.s.kind == "pointwise":
+            x = Idx("xindex", frozenset("x"))
+            return x, None
+        r = Idx("rindex", frozenset("r"))
+        c = Idx("cindex", frozenset("c"))
+        outer = self.s.reduce_shape[:-1]
+        full = Env(self.s.reduce_shape, unravel(r, outer) + (c,),
+                   Idx("(rindex * C + cindex)", frozenset("rc")), Split(r, c, self.s.cols))
+        row = Env(tuple(outer) + (1,), unravel(r, outer) + (ZERO,), r, Split(r, ZERO, 1))
+        return full, row
+
+    def root_env(self, root: PNode) -> Env:
+        if self.s.kind == "pointwise":
+            x = Idx("xindex", frozenset("x"))
+            return Env(root.shape, unravel(x, root.shape), x, None)
+        full, row = self.base_envs()
+        base = full if root.numel == self.s.rows * self.s.cols else row
+        return reshape_env(base, root.shape) if root.shape != base.shape else base
+
+    # --- values ------------------------------------------------------------------------------
+    def emit(self, node: PNode, env: Env) -> Val:
+        key = (id(node), env_key(env))
+        if key in self.memo_outer:
+            return self.memo_outer[key]
+        if key in self.memo_loop:
+            return self.memo_loop[key]
+        val = getattr(self, f"_emit_{node.op}")(node, env)
+        memo = self.memo_loop if (self.loop is not None and "c" in val.axes) else self.memo_outer
+        memo[key] = val
+        return val
+
+    def _emit_load(self, node, env):
+        buf, strides, offset = node.attrs
+        if buf not in self.params:
+            self.params.append(buf)
+        if env.linear is not None and offset == 0 and tuple(strides) == contiguous_strides(node.shape) \
+                and env.guard is None:
+            off = env.linear
+        else:
+            terms, axes = [], frozenset()
+            for d, st, size in zip(env.dims, strides, node.shape):
+                if d.is_zero or st == 0 or size == 1:
+                    continue
+                terms.append(d.expr if st == 1 else f"{d.expr} * {st}")
+                axes |= d.axes
+            if offset:
+                terms.append(str(offset))
+            off = Idx(" + ".join(terms) if terms else "0", axes)
+        axes = off.axes | (env.guard.axes if env.guard is not None else frozenset())
+        m = self.mask(axes, env.guard)
+        ptr = f"{buf} + {off.expr}" if off.expr != "0" else buf
+        text = f"tl.load({ptr}, mask={m}, other=0)" if m else f"tl.load({ptr})"
+        dt = node.dtype
+        if dt in ops.NARROW_FLOATS:
+            text += ".to(tl.float32)"
+        return self.assign(text, axes, "x" if "x" in axes else "v")
+
+    def _emit_const(self, node, env):
+        (value,) = node.attrs
+        return Val(literal(value, node.dtype), frozenset())
+
+    def _emit_iota(self, node, env):
+        (axis,) = node.attrs
+        d = env.dims[axis]
+        return Val(d.expr, d.axes) if not d.is_zero else Val("0", frozenset())
+
+    def _emit_unary(self, node, env):
+        a = self.emit(node.args[0], env)
+        return self.assign(ops.UNARY[node.attrs[0]].triton.format(a=a.expr), a.axes)
+
+    def _emit_binary(self, node, env):
+        a, b = self.emit(node.args[0], env), self.emit(node.args[1], env)
+        op = ops.BINARY[node.attrs[0]]
+        if op.name == "pow":
+            raise Unschedulable("pow without a rewrite to primitives")
+        return self.assign(op.triton.format(a=a.expr, b=b.expr), a.axes | b.axes)
+
+    def _emit_where(self, node, env):
+        c, a, b = (self.emit(x, env) for x in node.args)
+        return self.assign(f"tl.where({c.expr}, {a.expr}, {b.expr})", c.axes | a.axes | b.axes)
+
+    def _emit_cast(self, node, env):
+        src = node.args[0]
+        a = self.emit(src, env)
+        dst = node.dtype
+        if dst == src.dtype:
+            return a
+        if dst == "bool":
+            return self.assign(f"({a.expr} != 0)", a.axes)
+        if dst in ops.NARROW_FLOATS:
+            if not a.axes:
+                return Val(f"{a.expr}", a.axes)
+            return self.assign(f"{a.expr}.to({ops.TRITON_DTYPES[dst]}).to(tl.float32)", a.axes)
+        if not a.axes:
+            return Val(f"{a.expr}", a.axes) if ops.is_float(dst) else Val(f"int({a.expr})", a.axes)
+        return self.assign(f"{a.expr}.to({compute_dtype(dst)})", a.axes)
+
+    def _emit_broadcast(self, node, env):
+        return self.emit(node.args[0], broadcast_env(env, node.args[0].shape))
+
+    def _emit_reshape(self, node, env):
+        return self.emit(node.args[0], reshape_env(env, node.args[0].shape))
+
+    def _emit_permute(self, node, env):
+        return self.emit(node.args[0], permute_env(env, node.attrs[0], node.args[0].shape))
+
+    def _emit_slice(self, node, env):
+        dim, start, step = node.attrs
+        return self.emit(node.args[0], slice_env(env, dim, start, step, node.args[0].shape))
+
+    def _emit_cat(self, node, env):
+        (dim,) = node.attrs
+        a, b = node.args
+        n0 = a.shape[dim]
+        d = env.dims[dim]
+        first = Idx(f"({d.expr} < {n0})", d.axes)
+        second = Idx(f"({d.expr} >= {n0})", d.axes)
+        va = self.emit(a, shifted_env(env, dim, 0, a.shape, first))
+        vb = self.emit(b, shifted_env(env, dim, n0, b.shape, second))
+        return self.assign(f"tl.where({first.expr}, {va.expr}, {vb.expr})", va.axes | vb.axes | d.axes)
+
+    def _emit_reduce(self, node, env):
+        if self.s.kind != "reduction":
+            raise Unschedulable("reduction in a pointwise kernel")
+        full, row = self.base_envs()
+        if env_key(env) != env_key(reshape_env(row, env.shape)) or env.dims != row.dims:
+            raise Unschedulable("a reduction reached through an index map that moves its rows")
+        op = node.attrs[0]
+        neutral = literal(ops.REDUCE[op][1], node.dtype)
+        fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
+        acc_dt = compute_dtype(node.dtype)
+        cm = self.mask(frozenset("c"))
+        if self.s.persistent:
+            v = self.emit(node.args[0], full)
+            masked = f"tl.where({cm}, {v.expr}, {neutral})" if cm else v.expr
+            if "c" not in v.axes:  # constant along the row: broadcast before reducing
+                masked = f"tl.where(tl.full([1, BLOCK_C], 1, tl.int1), {v.expr}, {neutral})" if not cm else masked
+            return self.assign(f"{fn}({masked}, 1)[:, None]", frozenset("r"), "red")
+        # Looped: inner reductions first, at row scope, then one pass over the row.
+        if self.loop is not None:
+            raise Unschedulable("nested reduction loop")
+        for inner in _direct_reduces(node.args[0]):
+            self.emit(inner, row)
+        acc = self.fresh("acc")
+        self.lines.append(f"{acc} = tl.full([BLOCK_R, BLOCK_C], {neutral}, {acc_dt})")
+        self.open_loop()
+        v = self.emit(node.args[0], full)
+        masked = f"tl.where({cm}, {v.expr}, {neutral})" if cm else v.expr
+        combine = {"sum": f"{acc} + {masked}", "max": f"tl.maximum({acc}, {masked})",
+                   "min": f"tl.minimum({acc}, {masked})"}[op]
+        self.loop.append(f"{acc} = {combine}")
+        self.close_loop()
+        return self.assign(f"{fn}({acc}, 1)[:, None]", frozenset("r"), "red")
+
+    def open_loop(self):
+        self.loop = []
+        self.memo_loop = {}
+
+    def close_loop(self):
+        body = self.loop
+        self.loop = None
+        self.memo_loop = {}
+        self.lines.append("for c0 in range(0, C, BLOCK_C):")
+        self.lines.append("    cindex = c0 + tl.arange(0, BLOCK_C)[None, :]")
+        if not self.cols_even:
+            self.lines.append("    cmask = cindex < C")
+        self.lines.extend("    " + b for b in body)
+
+    # --- the kernel ----------------------------------------------------------------------------
+    def store(self, root: PNode, buf: str, env: Env):
+        v = self.emit(root, env)
+        lin = env.linear if env.linear is not None else Idx("0")
+        axes = lin.axes
+        block = {"x": "[XBLOCK]", "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]"}
+        want = "".join(a for a in "xrc" if a in axes)
+        expr = v.expr
+        if want and set(v.axes) != set(axes):
+            expr = f"tl.where(tl.full({block[want]}, 1, tl.int1), {expr}, {expr})"
+        if buf not in self.params:
+            self.params.append(buf)
+        m = self.mask(axes)
+        ptr = f"{buf} + {lin.expr}" if lin.expr != "0" else buf
+        text = f"tl.store({ptr}, ({expr}).to({buf}.dtype.element_ty)" + (f", mask={m})" if m else ")")
+        self.line(text, axes)
+
+    def write(self, cfg: dict) -> str:
+        s = self.s
+        self.cfg_x_even = cfg.get("XBLOCK", 1)
+        self.rows_even = s.kind == "reduction" and s.rows % cfg.get("BLOCK_R", 1) == 0
+        self.cols_even = s.kind == "reduction" and s.persistent and s.cols == cfg.get("BLOCK_C", 0)
+        head = []
+        pid = f"tl.program_id(0){self.index_dtype_cast}"
+        if s.kind == "pointwise":
+            head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
+            if s.numel % self.cfg_x_even:
+                head.append("xmask = xindex < xnumel")
+            for root, buf in self.spec.roots:
+                self.store(root, buf, self.root_env(root))
+        else:
+            head.append(f"rindex = {pid} * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
+            if not self.rows_even:
+                head.append("rmask = rindex < R")
+            if s.persistent:
+                head.append("cindex = tl.arange(0, BLOCK_C)[None, :]")
+                if not self.cols_even:
+                    head.append("cmask = cindex < C")
+            full_roots = [(r, b) for r, b in self.spec.roots if r.numel == s.rows * s.cols and s.cols != 1]
+            row_roots = [(r, b) for r, b in self.spec.roots if (r, b) not in full_roots]
+            for root, buf in row_roots:
+                self.store(root, buf, self.root_env(root))
+            if full_roots:
+                if not s.persistent:
+                    for root, _ in full_roots:
+                        for inner in _direct_reduces(root):
+                            self.emit(inner, self.base_envs()[1])
+                    self.open_loop()
+                for root, buf in full_roots:
+                    self.store(root, buf, self.root_env(root))
+                if not s.persistent:
+                    self.close_loop()
+        params = [f"{p}" for p in self.params]
+        if s.kind == "pointwise":
+            params += ["xnumel: tl.constexpr", "XBLOCK: tl.constexpr"]
+        else:
+            params += ["R: tl.constexpr", "C: tl.constexpr", "BLOCK_R: tl.constexpr", "BLOCK_C: tl.constexpr"]
+        doc = ", ".join(self.spec.fx_nodes) or "(no FX node)"
+        body = head + self.lines
+        out = ["@triton.jit", f"def {self.spec.name}({', '.join(params)}):",
+               f'    """FX nodes: {doc}"""']
+        out += ["    " + b for b in body]
+        return "\n".join(out) + "\n"
+
+
+def _direct_reduces(node: PNode) -> list[PNode]:
+    """Reductions under ``node`` not nested in another reduction, innermost first."""
+    found, seen = [], set()
+
+    def go(n):
+        if id(n) in seen:
+            return
+        seen.add(id(n))
+        if n.op == "reduce":
+            found.append(n)
+            return
+        for a in n.args:
+            go(a)
+    go(node)
+    return found
+
+
+def compute_dtype(dtype: str) -> str:
+    if dtype in ops.NARROW_FLOATS:
+        return "tl.float32"
+    if dtype == "bool":
+        return "tl.int1"
+    return ops.TRITON_DTYPES[dtype]
+
+
+def literal(value, dtype: str) -> str:
+    if dtype == "bool":
+        return "1" if value else "0"
+    if not ops.is_float(dtype):
+        return str(int(value))
+    v = float(value)
+    if math.isnan(v):
+        return 'float("nan")'
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else '-float("inf")'
+    return repr(v)
+
+
+def default_config(sched: Schedule) -> dict:
+    """Block sizes and warps for the shapes this kernel was compiled for."""
+    if sched.kind == "pointwise":
+        xblock = min(1024, max(16, next_pow2(sched.numel)))
+        return {"XBLOCK": xblock, "num_warps": max(1, min(4, xblock // 256))}
+    if sched.persistent:
+        block_c = max(1, next_pow2(sched.cols))
+        block_r = max(1, min(next_pow2(sched.rows), 2048 // block_c))
+    else:
+        block_c, block_r = LOOP_BLOCK, 1
+    warps = max(1, min(16, block_r * block_c // 512))
+    return {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
+
+
+def tuning_candidates(sched: Schedule) -> list[dict]:
+    """Alternatives the GPU autotuner times (the default first)."""
+    base = default_config(sched)
+    cands = [base]
+    if sched.kind == "pointwise":
+        for xb, w in ((1024, 4), (2048, 8), (4096, 8), (512, 4)):
+            if xb <= max(16, next_pow2(sched.numel)):
+                cands.append({"XBLOCK": xb, "num_warps": w})
+    else:
+        for br in (1, 2, 4, 8):
+            for w in (4, 8, 16):
+                if br <= next_pow2(sched.rows) and br * base["BLOCK_C"] <= 32768:
+                    cands.append({"BLOCK_R": br, "BLOCK_C": base["BLOCK_C"], "num_warps": w})
+    unique = []
+    for c in cands:
+        if c not in unique:
+            unique.append(c)
+    return unique
+
+
+def generate(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> tuple[str, Schedule, dict, list]:
+    """Source of one kernel: (text, schedule, config, parameter buffers)."""
+    sched = schedule_of(spec)
+    cfg = cfg or default_config(sched)
+    w = KernelWriter(spec, buffers, sched)
+    text = w.write(cfg)
+    return text, sched, cfg, w.params

@@ -1,0 +1,21 @@
+"""The errors eqfuse raises: each names the problem in one line."""
+
+
+class EqfuseError(Exception):
+    """Base class of every error eqfuse raises on purpose."""
+
+
+class CaptureError(EqfuseError):
+    """The function could not be traced to an FX graph (bad input, shapes that do not broadcast)."""
+
+
+class Unsupported(EqfuseError):
+    """An op, dtype or form the kernels do not cover; the node runs in eager instead."""
+
+
+class Unschedulable(EqfuseError):
+    """A fused kernel body that the code generator cannot schedule (extraction avoids these)."""
+
+
+class ExtractionError(EqfuseError):
+    """No legal plan could be extracted from the e-graph."""

@@ -1,0 +1,106 @@
+"""Capture: a function or nn.Module plus example inputs -> an ATen-level FX graph with
+shape, dtype and stride on every node (``node.meta["val"]``, a FakeTensor).
+
+Composite ops (softmax, layer_norm, gelu, silu, var, logsumexp ...) are decomposed into
+primitives here, so the rules see one spelling of each and recover the fused forms.
+Inputs and outputs are flattened with pytree; the output structure is kept to rebuild
+the user's result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import CaptureError
+
+
+def decomposition_table() -> dict:
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    aten = torch.ops.aten
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions([
+        aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.gelu, aten.silu,
+        aten.var.correction, aten.var_mean.correction, aten.logsumexp, aten.masked_fill,
+        aten.hardtanh, aten.hardsigmoid, aten.hardswish, aten.mish, aten.softplus,
+        aten.leaky_relu, aten.elu, aten.rms_norm, aten.tril, aten.triu,
+    ]))
+    return table
+
+
+@dataclass
+class CapturedGraph:
+    gm: torch.fx.GraphModule
+    # The tensors bound to the graph's placeholders, in order: the user's tensor inputs
+    # (positions in ``input_positions``) and then tensor constants (module parameters).
+    example_tensors: list[torch.Tensor]
+    out_spec: Any
+    num_user_inputs: int
+    constants: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+def capture(fn: Callable, example_inputs) -> CapturedGraph:
+    """Trace ``fn(*example_inputs)`` to ATen primitives with fake tensors."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    example_inputs = tuple(example_inputs)
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise CaptureError(f"input {i} is a {type(x).__name__}; eqfuse.compile takes tensors "
+                               "(bind other arguments with functools.partial)")
+    out_spec_box = []
+
+    def flat_fn(*args):
+        out = fn(*args)
+        leaves, spec = pytree.tree_flatten(out)
+        out_spec_box.append(spec)
+        return leaves
+
+    module_params: list[torch.Tensor] = []
+    if isinstance(fn, torch.nn.Module):
+        module_params = [p for p in fn.parameters()] + [b for b in fn.buffers()]
+
+    try:
+        gm = make_fx(flat_fn, decomposition_table=decomposition_table(), tracing_mode="fake",
+                     _allow_non_fake_inputs=True)(*example_inputs)
+    except Exception as e:  # torch raises many kinds: report one clear line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(f"could not trace the function: {type(e).__name__}: {msg}") from e
+
+    # Tensor constants (module parameters, tensors closed over) become extra inputs.
+    constants = []
+    graph = gm.graph
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if not isinstance(value, torch.Tensor):
+                continue
+            anchor = last_placeholder[-1] if last_placeholder else next(iter(graph.nodes))
+            with graph.inserting_after(anchor):
+                ph = graph.placeholder(f"const_{len(constants)}")
+            ph.meta["val"] = _fake_like(node, value)
+            node.replace_all_uses_with(ph)
+            graph.erase_node(node)
+            last_placeholder.append(ph)
+            constants.append(value)
+    gm.recompile()
+    del module_params
+    return CapturedGraph(gm=gm, example_tensors=list(example_inputs) + constants,
+                         out_spec=out_spec_box[-1], num_user_inputs=len(example_inputs),
+                         constants=constants)
+
+
+def _fake_like(node, value: torch.Tensor):
+    """Meta for a constant: reuse the traced one if present, else a meta tensor copy."""
+    if "val" in node.meta:
+        return node.meta["val"]
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")

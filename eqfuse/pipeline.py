@@ -1,0 +1,100 @@
+"""The whole pipeline, one step after another: capture -> terms -> saturation ->
+extraction -> Triton source -> loaded module. Each step's product is kept for the user
+to look at (``CompiledGraph.plan``, ``.source``, ``.report``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .errors import EqfuseError, ExtractionError, Unsupported
+
+
+def build(fn, example_inputs, options) -> dict:
+    from .codegen.module import generate_module
+    from .frontend.capture import capture
+    from .rewrite.egraph_json import serialize
+    from .rewrite.extract import Extractor
+    from .rewrite.saturate import Limits, saturate
+    from .runtime.cache import cache_key, load_module
+    from .runtime.compiled import VERSION, FallbackInfo, make_fallback_runner
+    from .schema.from_fx import translate
+
+    seconds = {}
+    t0 = time.perf_counter()
+    captured = capture(fn, example_inputs)
+    seconds["capture"] = time.perf_counter() - t0
+    device_type = example_inputs[0].device.type if example_inputs else "cpu"
+    title = getattr(fn, "__name__", type(fn).__name__)
+    result = {"constants": captured.constants, "out_spec": captured.out_spec, "device_type": device_type,
+              "whole_graph_eager": False, "kernels": [], "fallbacks": [], "source": "", "plan": None,
+              "report": {"seconds": seconds}}
+
+    def eager(reason: str) -> dict:
+        result["whole_graph_eager"] = True
+        result["fallbacks"] = [FallbackInfo("<graph>", reason)]
+        result["report"]["note"] = f"whole graph runs in eager: {reason}"
+        return result
+
+    mutating = [n for n in captured.gm.graph.nodes if n.op == "call_function"
+                and getattr(getattr(n.target, "_schema", None), "is_mutable", False)]
+    if mutating:
+        return eager(f"in-place op {mutating[0].target} (mutation is not supported yet)")
+    try:
+        t0 = time.perf_counter()
+        tr = translate(captured)
+        seconds["translate"] = time.perf_counter() - t0
+        limits = Limits(max_enodes=options.max_enodes, max_seconds=options.max_seconds)
+        sat = saturate(tr.egraph, limits, enabled=options.rules)
+        seconds["saturate"] = sat.seconds
+        t0 = time.perf_counter()
+        view = serialize(tr.egraph)
+        sat.enodes, sat.eclasses = view.size()
+        plan, ext_report = Extractor(view, tr).extract()
+        seconds["extract"] = time.perf_counter() - t0
+    except Unsupported as e:
+        return eager(str(e))
+    except ExtractionError as e:
+        return eager(f"no legal plan: {e}")
+
+    if device_type != "cuda" and not _interpreter_ready():
+        return eager("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
+    t0 = time.perf_counter()
+    source, infos = generate_module(plan, title, VERSION)
+    if device_type == "cuda" and options.autotune and infos:
+        from .runtime.autotune import autotune
+        configs = autotune(plan, infos, title, VERSION, example_inputs, captured.constants)
+        source, infos = generate_module(plan, title, VERSION, configs)
+    seconds["codegen"] = time.perf_counter() - t0
+    key = cache_key(source, device_type, VERSION, _triton_version())
+    t0 = time.perf_counter()
+    module = load_module(key, source, interpret=device_type != "cuda")
+    module.FALLBACKS = [make_fallback_runner(s) for s in plan.fallbacks]
+    module.DEVICE = torch.device(device_type)
+    seconds["load"] = time.perf_counter() - t0
+    result.update(
+        kernels=infos, source=source, plan=plan, module=module,
+        fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks],
+    )
+    result["report"].update(saturation=sat.as_dict(), extraction=ext_report)
+    result["report"]["saturation"]["eclasses"] = sat.eclasses
+    for k in seconds:
+        seconds[k] = round(seconds[k], 4)
+    return result
+
+
+def _interpreter_ready() -> bool:
+    import triton.language as tl
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except Exception:  # pragma: no cover - triton is a dependency
+        return "none"
+
+
+__all__ = ["build", "EqfuseError"]

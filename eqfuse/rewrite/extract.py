@@ -1,0 +1,451 @@
+"""Extraction: the saturated e-graph -> the cheapest legal plan, in Python.
+
+1. Type every value e-class (shape, dtype) from its nodes.
+2. Choose, for each e-class, its cheapest way to compute the value *inline* (ignoring the
+   ``Load(Kernel(self))`` node, which is the option of storing it): strictly positive
+   costs make these choices acyclic.
+3. Decide which e-classes are materialised (get a kernel and a buffer); every other
+   e-class is recomputed inside the kernels that use it. Graph outputs and the arguments
+   of eager fallbacks must be materialised. Start from the most fused plan, repair
+   kernels the code generator cannot schedule (legality is re-checked on the whole
+   kernel, not trusted from a rule's guard), then improve greedily under the cost model.
+4. Multi-output kernels: a materialised value may be stored by a kernel that computes it
+   inline anyway (the residual in residual+LayerNorm), dropping its own kernel, when that
+   is legal, keeps the plan acyclic and is cheaper.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+
+from ..codegen.kernel import generate, schedule_of
+from ..errors import ExtractionError, Unschedulable
+from ..schema import ops
+from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode
+from ..schema.terms import bits_float
+from .cost import DEFAULT_DEVICE, Device, kernel_time_us
+from .egraph_json import EGraphView, ENode
+
+OP_COST = {"Load": 1.0, "LoadStrided": 1.0, "Const": 0.01, "Iota": 0.1, "Where": 1.0, "Cast": 0.5,
+           "Reduce": 2.0, "Broadcast": 0.05, "Reshape": 0.05, "Permute": 0.05, "Slice": 0.05, "Cat": 1.0}
+
+
+def node_cost(n: ENode) -> float:
+    if n.op == "Unary":
+        return ops.UNARY[n.args[0]].cost
+    if n.op == "Binary":
+        return math.inf if n.args[0] == "pow" else ops.BINARY[n.args[0]].cost
+    return OP_COST.get(n.op, 1.0)
+
+
+def _broadcast_shapes(*shapes):
+    rank = max(len(s) for s in shapes)
+    out = []
+    for k in range(rank):
+        dims = [s[k - rank + len(s)] for s in shapes if k - rank + len(s) >= 0]
+        big = [d for d in dims if d != 1]
+        out.append(big[0] if big else 1)
+    return tuple(out)
+
+
+class Extractor:
+    def __init__(self, view: EGraphView, translation, device: Device = DEFAULT_DEVICE):
+        self.g = view
+        self.tr = translation
+        self.device = device
+        self.kernel_of: dict[str, str] = {}  # value class -> Tensor class holding Kernel(value)
+        self.tensor_node: dict[str, ENode] = {}  # Tensor class -> its Kernel / Input node
+        for cid, nodes in view.classes.items():
+            for n in nodes:
+                if n.op == "Kernel":
+                    self.kernel_of.setdefault(n.args[0], cid)
+                    self.tensor_node.setdefault(cid, n)
+                elif n.op == "Input":
+                    self.tensor_node[cid] = n
+        self.types = self._infer_types()
+        self.best = self._inline_choices()
+
+    # --- 1. types ------------------------------------------------------------------------------
+    def _type_of_node(self, n: ENode, types):
+        a = n.args
+
+        def t(c):
+            return types.get(c)
+        op = n.op
+        if op == "LoadStrided":
+            inp = self.tensor_node.get(a[0])
+            return (tuple(a[1]), inp.args[1]) if inp is not None and inp.op == "Input" else None
+        if op == "Load":
+            k = self.tensor_node.get(a[0])
+            return t(k.args[0]) if k is not None and k.op == "Kernel" else None
+        if op == "Const":
+            return ((), a[1])
+        if op == "Iota":
+            return (tuple(a[0]), "int64")
+        if op == "Unary":
+            x = t(a[1])
+            return x and (x[0], "bool" if a[0] == "not" else x[1])
+        if op == "Binary":
+            x, y = t(a[1]), t(a[2])
+            return x and y and (_broadcast_shapes(x[0], y[0]), "bool" if a[0] in ops.COMPARISONS else x[1])
+        if op == "Where":
+            c, x, y = t(a[0]), t(a[1]), t(a[2])
+            return c and x and y and (_broadcast_shapes(c[0], x[0], y[0]), x[1])
+        if op == "Cast":
+            x = t(a[0])
+            return x and (x[0], a[1])
+        if op == "Reduce":
+            x = t(a[1])
+            return x and (x[0][:-1] + (1,), x[1])
+        if op in ("Broadcast", "Reshape"):
+            x = t(a[0])
+            return x and (tuple(a[1]), x[1])
+        if op == "Permute":
+            x = t(a[0])
+            return x and (tuple(x[0][p] for p in a[1]), x[1])
+        if op == "Slice":
+            x = t(a[0])
+            if not x:
+                return None
+            shape = list(x[0])
+            shape[a[1]] = a[4]
+            return (tuple(shape), x[1])
+        if op == "Cat":
+            x, y = t(a[0]), t(a[1])
+            if not (x and y):
+                return None
+            shape = list(x[0])
+            shape[a[2]] += y[0][a[2]]
+            return (tuple(shape), x[1])
+        return None
+
+    def _infer_types(self):
+        types: dict[str, tuple] = {}
+        pending = [c for c in self.g.classes if self.g.is_value(c)]
+        while pending:
+            left = []
+            for c in pending:
+                for n in self.g.classes[c]:
+                    ty = self._type_of_node(n, types)
+                    if ty:
+                        types[c] = ty
+                        break
+                else:
+                    left.append(c)
+            if len(left) == len(pending):
+                break
+            pending = left
+        return types
+
+    # --- 2. inline choices -------------------------------------------------------------------
+    def is_self_load(self, n: ENode) -> bool:
+        if n.op != "Load":
+            return False
+        k = self.tensor_node.get(n.args[0])
+        return k is not None and k.op == "Kernel" and k.args[0] == n.eclass
+
+    def value_children(self, n: ENode) -> list[str]:
+        if n.op in ("Load", "LoadStrided"):
+            return []
+        return [a for a in n.args if isinstance(a, str) and self.g.is_value(a)]
+
+    def _inline_choices(self) -> dict[str, ENode]:
+        cost = {c: math.inf for c in self.g.classes if self.g.is_value(c)}
+        best: dict[str, ENode] = {}
+        changed = True
+        while changed:
+            changed = False
+            for c in cost:
+                for n in self.g.classes[c]:
+                    if self.is_self_load(n):
+                        continue
+                    total = node_cost(n) + sum(cost[k] for k in self.value_children(n))
+                    if total < cost[c] - 1e-12:
+                        cost[c], best[c] = total, n
+                        changed = True
+        return best
+
+    # --- 3. plans ------------------------------------------------------------------------------
+    def roots(self) -> list[str]:
+        return list(dict.fromkeys(self.g.lets[name] for name in self.tr.roots))
+
+    def reachable(self, roots) -> list[str]:
+        seen, order = set(), []
+
+        def go(c):
+            if c in seen:
+                return
+            seen.add(c)
+            n = self.best.get(c)
+            if n is None:
+                raise ExtractionError(f"no computable form for e-class {c} "
+                                      f"({self.fx_names(c) or 'internal'})")
+            for k in self.value_children(n):
+                go(k)
+            if n.op == "Load":  # a load of a kernel not fused (saturation stopped early)
+                go(self.tensor_node[n.args[0]].args[0])
+            order.append(c)
+        for r in roots:
+            go(r)
+        return order
+
+    def fx_names(self, c) -> list[str]:
+        return [name[2:] for name, cid in self.g.lets.items() if cid == c and name.startswith("n_")]
+
+    def extract(self) -> tuple[Plan, dict]:
+        roots = self.roots()
+        order = self.reachable(roots)
+        forced = set(roots) | {self.tensor_node[self.best[c].args[0]].args[0]
+                               for c in order if self.best[c].op == "Load"}
+        candidates = [c for c in order if c in self.kernel_of and c not in forced]
+        M, host = set(forced), {}
+        memo: dict = {}
+
+        def evaluate(M, host):
+            return self._evaluate(order, M, host, memo)
+
+        unfused = evaluate(set(forced) | set(candidates), {})
+        state = evaluate(M, host)
+        # Repair: materialise inside kernels the code generator cannot schedule.
+        while state.invalid:
+            bad = state.invalid[0]
+            inside = [c for c in state.inline_sets[bad] if c in self.kernel_of and c not in M]
+            if not inside:
+                raise ExtractionError(f"kernel for {self.fx_names(bad) or bad} cannot be scheduled: "
+                                      f"{state.reasons[bad]}")
+            trials = [(evaluate(M | {c}, host), c) for c in inside]
+            trials.sort(key=lambda t: (bad in t[0].invalid, len(t[0].invalid), t[0].cost))
+            M = M | {trials[0][1]}
+            state = trials[0][0]
+        # Improve: materialise or fuse one value at a time while the modelled time drops.
+        for _ in range(3):
+            improved = False
+            for c in candidates:
+                trial_m = M - {c} if c in M else M | {c}
+                trial = evaluate(trial_m, host)
+                if not trial.invalid and trial.cost < state.cost - 1e-9:
+                    M, state, improved = trial_m, trial, True
+            if not improved:
+                break
+        # Multi-output: store a materialised value from a kernel that computes it anyway.
+        for c in sorted(M, key=order.index):
+            for p in state.loaders.get(c, []):
+                if p == c or p in host:
+                    continue
+                trial_host = dict(host)
+                trial_host[c] = p
+                trial = evaluate(M, trial_host)
+                if not trial.invalid and trial.acyclic and trial.cost < state.cost - 1e-9:
+                    host, state = trial_host, trial
+                    break
+        plan = self._assemble(state, M, host)
+        plan.cost, plan.cost_unfused = state.cost, unfused.cost
+        return plan, {"plan_cost_us": round(state.cost, 3), "unfused_cost_us": round(unfused.cost, 3),
+                      "materialised": len(M), "kernels": len(plan.kernels)}
+
+    def buffer_name(self, c) -> str:
+        return f"buf_{c.rsplit('-', 1)[-1]}"
+
+    def _evaluate(self, order, M, host, memo):
+        buffers = self._buffers(M)
+        st = _State()
+        hosted_by: dict[str, list[str]] = {}
+        for c, p in host.items():
+            hosted_by.setdefault(p, []).append(c)
+        graph = nx.DiGraph()
+        for c in order:
+            if c not in M or c in host:
+                continue
+            extra = sorted(hosted_by.get(c, []), key=order.index)
+            spec, inline, loads = self._kernel(c, M, extra)
+            key = (c, tuple(extra), frozenset(inline), frozenset(loads))
+            if key not in memo:
+                try:
+                    sched = schedule_of(spec)
+                    generate(spec, buffers)
+                    passes = 1 if sched.kind == "pointwise" or sched.persistent else \
+                        1 + sum(1 for n in spec.walk() if n.op == "reduce")
+                    memo[key] = (kernel_time_us(spec, buffers, self.device, passes), None)
+                except Unschedulable as e:
+                    memo[key] = (math.inf, str(e))
+            t, reason = memo[key]
+            if reason is not None:
+                st.invalid.append(c)
+                st.reasons[c] = reason
+            st.cost += 0 if math.isinf(t) else t
+            st.specs[c] = spec
+            st.inline_sets[c] = inline
+            for d in loads:
+                st.loaders.setdefault(d, []).append(c)
+                graph.add_edge(host.get(d, d), c)
+            graph.add_node(c)
+        st.acyclic = nx.is_directed_acyclic_graph(graph)
+        st.graph = graph
+        return st
+
+    def _buffers(self, M) -> dict:
+        buffers = {}
+        for name, shape, dtype in self.tr.inputs:
+            buffers[name] = Buffer(name, shape, dtype, "input")
+        for fb in self.tr.fallbacks:
+            for name, (shape, dtype) in zip(fb.outputs, fb.out_info):
+                if dtype is not None:
+                    buffers[name] = Buffer(name, shape, dtype, "external")
+        for c in M:
+            shape, dtype = self.types[c]
+            buffers[self.buffer_name(c)] = Buffer(self.buffer_name(c), shape, dtype, "temp")
+        return buffers
+
+    def _kernel(self, root, M, extra):
+        """The kernel computing ``root`` (and storing ``extra`` values it computes inline)."""
+        memo: dict[str, PNode] = {}
+        inline, loads = [], set()
+        here = {root, *extra}
+
+        def build(c) -> PNode:
+            if c in memo:
+                return memo[c]
+            shape, dtype = self.types[c]
+            if c in M and c not in here:
+                loads.add(c)
+                p = PNode("load", (self.buffer_name(c), _contig(shape), 0), (), shape, dtype, c)
+                memo[c] = p
+                return p
+            n = self.best[c]
+            inline.append(c)
+            a = n.args
+            if n.op == "LoadStrided":
+                p = PNode("load", (self.tensor_node[a[0]].args[0], tuple(a[2]), a[3]), (), shape, dtype, c)
+            elif n.op == "Load":
+                d = self.tensor_node[a[0]].args[0]
+                loads.add(d)
+                p = PNode("load", (self.buffer_name(d), _contig(shape), 0), (), shape, dtype, c)
+            elif n.op == "Const":
+                p = PNode("const", (bits_float(a[0]),), (), shape, dtype, c)
+            elif n.op == "Iota":
+                p = PNode("iota", (a[1],), (), shape, dtype, c)
+            elif n.op in ("Unary", "Reduce"):
+                p = PNode(n.op.lower(), (a[0],), (build(a[1]),), shape, dtype, c)
+            elif n.op == "Binary":
+                p = PNode("binary", (a[0],), (build(a[1]), build(a[2])), shape, dtype, c)
+            elif n.op == "Where":
+                p = PNode("where", (), tuple(build(x) for x in a), shape, dtype, c)
+            elif n.op == "Cast":
+                p = PNode("cast", (a[1],), (build(a[0]),), shape, dtype, c)
+            elif n.op in ("Broadcast", "Reshape"):
+                p = PNode(n.op.lower(), (), (build(a[0]),), shape, dtype, c)
+            elif n.op == "Permute":
+                p = PNode("permute", (tuple(a[1]),), (build(a[0]),), shape, dtype, c)
+            elif n.op == "Slice":
+                p = PNode("slice", (a[1], a[2], a[3]), (build(a[0]),), shape, dtype, c)
+            elif n.op == "Cat":
+                p = PNode("cat", (a[2],), (build(a[0]), build(a[1])), shape, dtype, c)
+            else:
+                raise ExtractionError(f"unknown e-node {n.op}")
+            memo[c] = p
+            return p
+
+        roots = [(build(c), self.buffer_name(c)) for c in [root, *extra]]
+        names = []
+        for c in inline:
+            names += self.fx_names(c)
+        label = (self.fx_names(root) or ["value"])[0]
+        spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names)))
+        return spec, inline, loads
+
+    # --- 4. the plan ---------------------------------------------------------------------------
+    def _assemble(self, state, M, host) -> Plan:
+        buffers = self._buffers(M)
+        g = nx.DiGraph()
+        steps: dict[str, object] = {}
+        writer: dict[str, str] = {}
+        for i, (c, spec) in enumerate(state.specs.items()):
+            key = f"k{i}"
+            steps[key] = spec
+            g.add_node(key)
+            for _, b in spec.roots:
+                writer[b] = key
+        for j, fb in enumerate(self.tr.fallbacks):
+            key = f"f{j}"
+            args = _map_refs(fb.args, self)
+            kwargs = _map_refs(fb.kwargs, self)
+            steps[key] = FallbackStep(fb.node, fb.target, args, kwargs, fb.reason, fb.outputs, fb.multi)
+            g.add_node(key)
+            for name in fb.outputs:
+                writer[name] = key
+        for key, step in steps.items():
+            for b in _reads(step):
+                if b in writer and writer[b] != key:
+                    g.add_edge(writer[b], key)
+        if not nx.is_directed_acyclic_graph(g):
+            raise ExtractionError("the plan has a cycle")
+        seq = list(nx.lexicographical_topological_sort(g, key=lambda k: (k[0] != "f", int(k[1:]))))
+        ordered = [steps[k] for k in seq]
+        for n, spec in enumerate(s for s in ordered if isinstance(s, KernelSpec)):
+            spec.name = f"k{n}_{spec.name[2:]}"
+        for name in buffers:
+            if name.startswith("buf_"):
+                buffers[name].kind = "temp"
+        outputs = []
+        for o in self.tr.outputs:
+            if o[0] == "value":
+                name = self.buffer_name(self.g.lets[o[1]])
+                buffers[name].kind = "output"
+                outputs.append(("buffer", name))
+            elif o[0] == "buffer":
+                outputs.append(("view", o[1]))
+            else:
+                outputs.append(o)
+        inputs = [buffers[name] for name, _, _ in self.tr.inputs]
+        return Plan(inputs, buffers, ordered, outputs)
+
+
+@dataclass
+class _State:
+    cost: float = 0.0
+    acyclic: bool = True
+
+    def __post_init__(self):
+        self.invalid, self.reasons, self.specs, self.inline_sets, self.loaders = [], {}, {}, {}, {}
+        self.graph = None
+
+
+def _contig(shape):
+    from ..codegen.indexing import contiguous_strides
+    return contiguous_strides(shape)
+
+
+def _map_refs(obj, ex: Extractor):
+    from ..schema.from_fx import ArgRef
+    if isinstance(obj, ArgRef):
+        return BufArg(ex.buffer_name(ex.g.lets[obj.name]))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_refs(x, ex) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_refs(v, ex) for k, v in obj.items()}
+    return obj
+
+
+def _reads(step) -> set:
+    from ..schema.from_fx import BufRef
+    if isinstance(step, KernelSpec):
+        return {n.attrs[0] for n in step.walk() if n.op == "load"}
+    found = set()
+
+    def go(o):
+        if isinstance(o, BufRef):
+            found.add(o.buf)
+        elif isinstance(o, BufArg):
+            found.add(o.name)
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                go(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                go(x)
+    go(step.args)
+    go(step.kwargs)
+    return found

@@ -1,0 +1,214 @@
+"""The rewrite rules, declared as tables.
+
+Each algebra rule is written once as ``lhs -> rhs`` over a small builder interface, and
+instantiated twice: with egglog terms (``EgglogBuilder``) to make the rewrite, and with
+PyTorch ops (``TorchBuilder``) to check soundness on random inputs (tests/test_rules.py).
+
+Rulesets:
+
+* ``algebra``  -- identities that make different spellings of one computation meet.
+  Bounded: the saturation driver runs it for a few iterations only.
+* ``fusion``   -- ``Load(Kernel(u)) == u``: a consumer may compute ``u`` itself instead
+  of reading the buffer it was stored to. Always true as an equation; whether the fused
+  kernel can be scheduled is decided (and re-checked) by extraction. Run to a fixpoint.
+* ``views``    -- index maps that compose (reshape of a reshape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..schema import ops
+
+
+@dataclass(frozen=True)
+class AlgebraRule:
+    name: str
+    arity: int  # number of pattern variables (Values)
+    pattern: Callable  # (builder, *vars) -> (lhs, rhs)
+    # Inputs on which the soundness test draws random values, per variable:
+    # "any" (reals), "pos" (positive reals), "bool".
+    domains: tuple[str, ...] = ()
+
+
+def _u(k, op, x):
+    return k.unary(op, x)
+
+
+def _b(k, op, x, y):
+    return k.binary(op, x, y)
+
+
+ALGEBRA: list[AlgebraRule] = [
+    AlgebraRule("mul-one", 1, lambda k, x: (_b(k, "mul", x, k.const(1.0)), x)),
+    AlgebraRule("one-mul", 1, lambda k, x: (_b(k, "mul", k.const(1.0), x), x)),
+    AlgebraRule("add-zero", 1, lambda k, x: (_b(k, "add", x, k.const(0.0)), x)),
+    AlgebraRule("sub-zero", 1, lambda k, x: (_b(k, "sub", x, k.const(0.0)), x)),
+    AlgebraRule("div-one", 1, lambda k, x: (_b(k, "div", x, k.const(1.0)), x)),
+    AlgebraRule("neg-neg", 1, lambda k, x: (_u(k, "neg", _u(k, "neg", x)), x)),
+    AlgebraRule("pow-one", 1, lambda k, x: (_b(k, "pow", x, k.const(1.0)), x)),
+    AlgebraRule("pow-two", 1, lambda k, x: (_b(k, "pow", x, k.const(2.0)), _b(k, "mul", x, x))),
+    AlgebraRule("pow-three", 1, lambda k, x: (_b(k, "pow", x, k.const(3.0)),
+                                              _b(k, "mul", _b(k, "mul", x, x), x))),
+    AlgebraRule("pow-half", 1, lambda k, x: (_b(k, "pow", x, k.const(0.5)), _u(k, "sqrt", x)), ("pos",)),
+    AlgebraRule("pow-minus-half", 1, lambda k, x: (_b(k, "pow", x, k.const(-0.5)), _u(k, "rsqrt", x)),
+                ("pos",)),
+    AlgebraRule("pow-minus-one", 1, lambda k, x: (_b(k, "pow", x, k.const(-1.0)), _u(k, "reciprocal", x)),
+                ("pos",)),
+    AlgebraRule("one-div", 1, lambda k, x: (_b(k, "div", k.const(1.0), x), _u(k, "reciprocal", x)), ("pos",)),
+    AlgebraRule("recip-sqrt", 1, lambda k, x: (_u(k, "reciprocal", _u(k, "sqrt", x)), _u(k, "rsqrt", x)),
+                ("pos",)),
+    AlgebraRule("sigmoid-spelled", 1, lambda k, x: (
+        _b(k, "div", k.const(1.0), _b(k, "add", k.const(1.0), _u(k, "exp", _u(k, "neg", x)))),
+        _u(k, "sigmoid", x))),
+    AlgebraRule("silu-spelled", 1, lambda k, x: (
+        _b(k, "div", x, _b(k, "add", k.const(1.0), _u(k, "exp", _u(k, "neg", x)))),
+        _b(k, "mul", x, _u(k, "sigmoid", x)))),
+    AlgebraRule("max-zero-relu", 1, lambda k, x: (_b(k, "maximum", x, k.const(0.0)), _u(k, "relu", x))),
+    AlgebraRule("abs-neg", 1, lambda k, x: (_u(k, "abs", _u(k, "neg", x)), _u(k, "abs", x))),
+    AlgebraRule("where-same", 2, lambda k, c, x: (k.where(c, x, x), x), ("bool", "any")),
+    AlgebraRule("sub-neg", 2, lambda k, x, y: (_b(k, "sub", x, _u(k, "neg", y)), _b(k, "add", x, y))),
+    AlgebraRule("add-neg", 2, lambda k, x, y: (_b(k, "add", x, _u(k, "neg", y)), _b(k, "sub", x, y))),
+    AlgebraRule("add-comm", 2, lambda k, x, y: (_b(k, "add", x, y), _b(k, "add", y, x))),
+    AlgebraRule("mul-comm", 2, lambda k, x, y: (_b(k, "mul", x, y), _b(k, "mul", y, x))),
+]
+
+# Casts through a wider float and back are the identity on the narrow value.
+CAST_ROUNDTRIPS = [
+    ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"),
+    ("bfloat16", "float64"), ("float32", "float64"),
+]
+
+
+class TorchBuilder:
+    """Evaluates a rule's sides with PyTorch, for the soundness tests."""
+
+    def unary(self, op, x):
+        return ops.UNARY[op].torch_fn(x)
+
+    def binary(self, op, x, y):
+        return ops.BINARY[op].torch_fn(torch.as_tensor(x, dtype=torch.float64), y)
+
+    def where(self, c, x, y):
+        return torch.where(c, x, y)
+
+    def const(self, value):
+        return torch.tensor(value, dtype=torch.float64)
+
+
+class EgglogBuilder:
+    """Builds a rule's sides as egglog patterns; constants match any dtype."""
+
+    def __init__(self):
+        from egglog import String, var
+        self._var, self._string = var, String
+        self._n = 0
+
+    def unary(self, op, x):
+        from ..schema.terms import Unary
+        return Unary(op, x)
+
+    def binary(self, op, x, y):
+        from ..schema.terms import Binary
+        return Binary(op, x, y)
+
+    def where(self, c, x, y):
+        from ..schema.terms import Where
+        return Where(c, x, y)
+
+    def const(self, value):
+        from ..schema.terms import Const, float_bits
+        self._n += 1
+        return Const(float_bits(value), self._var(f"cdt{self._n}", self._string))
+
+
+def _algebra_ruleset():
+    from egglog import String, eq, rule, ruleset, union, var
+
+    from ..schema.terms import Cast, Value, vdtype
+
+    rules = []
+    for r in ALGEBRA:
+        k = EgglogBuilder()
+        xs = [var(f"v{i}", Value) for i in range(r.arity)]
+        lhs, rhs = r.pattern(k, *xs)
+        root = var("root", Value)
+        rules.append(rule(eq(root).to(lhs), name=r.name).then(union(root).with_(rhs)))
+
+    x, root, d = var("x", Value), var("root", Value), var("d", String)
+    for narrow, wide in CAST_ROUNDTRIPS:
+        rules.append(rule(eq(root).to(Cast(Cast(x, wide), narrow)), eq(vdtype(x)).to(String(narrow)),
+                          name=f"cast-{narrow}-{wide}-{narrow}").then(union(root).with_(x)))
+    rules.append(rule(eq(root).to(Cast(x, d)), eq(vdtype(x)).to(d), name="cast-noop")
+                 .then(union(root).with_(x)))
+    return ruleset(*rules, name="algebra")
+
+
+def _fusion_ruleset():
+    from egglog import eq, rule, ruleset, union, var
+
+    from ..schema.terms import Kernel, Load, Value
+
+    u, root = var("u", Value), var("root", Value)
+    return ruleset(
+        rule(eq(root).to(Load(Kernel(u))), name="fuse-load-kernel").then(union(root).with_(u)),
+        name="fusion",
+    )
+
+
+def _views_ruleset():
+    from egglog import Vec, eq, i64, rule, ruleset, union, var
+
+    from ..schema.terms import Reshape, Value
+
+    x, root = var("x", Value), var("root", Value)
+    s1, s2 = var("s1", Vec[i64]), var("s2", Vec[i64])
+    return ruleset(
+        rule(eq(root).to(Reshape(Reshape(x, s1), s2)), name="reshape-reshape")
+        .then(union(root).with_(Reshape(x, s2))),
+        name="views",
+    )
+
+
+_RULESETS = None
+
+
+def rulesets():
+    """The rulesets, built once (building them imports egglog)."""
+    global _RULESETS
+    if _RULESETS is None:
+        _RULESETS = {"algebra": _algebra_ruleset(), "fusion": _fusion_ruleset(), "views": _views_ruleset()}
+    return _RULESETS
+
+
+def catalogue() -> list[tuple[str, str, str]]:
+    """(ruleset, name, description) for every rule, for ``eqfuse rules``."""
+    rows = []
+
+    class Show:
+        def unary(self, op, x):
+            return f"{op}({x})"
+
+        def binary(self, op, x, y):
+            return f"{op}({x}, {y})"
+
+        def where(self, c, x, y):
+            return f"where({c}, {x}, {y})"
+
+        def const(self, value):
+            return repr(value)
+
+    names = "xyzw"
+    for r in ALGEBRA:
+        lhs, rhs = r.pattern(Show(), *names[: r.arity])
+        rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
+    for narrow, wide in CAST_ROUNDTRIPS:
+        rows.append(("algebra", f"cast-{narrow}-{wide}-{narrow}",
+                     f"cast(cast(x:{narrow}, {wide}), {narrow})  ->  x"))
+    rows.append(("algebra", "cast-noop", "cast(x:d, d)  ->  x"))
+    rows.append(("fusion", "fuse-load-kernel", "Load(Kernel(u))  ->  u"))
+    rows.append(("views", "reshape-reshape", "reshape(reshape(x, s1), s2)  ->  reshape(x, s2)"))
+    return rows

@@ -1,0 +1,79 @@
+"""The on-disk cache of generated modules.
+
+Triton's ``@jit`` reads kernel source through ``inspect``, so generated code must live in
+a real file. Files are written atomically (temp file + rename); an entry that fails to
+import is rebuilt, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EQFUSE_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "eqfuse")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_key(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(repr(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@contextmanager
+def _interpreter(on: bool):
+    """Triton decides at decoration time whether a kernel is interpreted."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif old is not None and old == "1":
+        os.environ.pop("TRITON_INTERPRET")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def load_module(key: str, source: str, interpret: bool):
+    """Write ``source`` under ``key`` (unless an identical file is there) and import it."""
+    path = cache_dir() / f"eqfuse_{key}.py"
+    if not path.exists() or path.read_text() != source:
+        write_atomic(path, source)
+    name = f"eqfuse_generated_{key}_{'i' if interpret else 'g'}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    with _interpreter(interpret):
+        spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module

@@ -1,0 +1,178 @@
+"""``eqfuse.compile`` and the ``CompiledGraph`` it returns."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import EqfuseError
+from ..schema.plan import BufArg, FallbackStep
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class FallbackInfo:
+    node: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.node}: {self.reason}"
+
+
+@dataclass
+class Options:
+    max_enodes: int = 50_000
+    max_seconds: float = 10.0
+    rules: tuple = ("algebra", "views", "fusion")
+    autotune: bool = True
+
+    @classmethod
+    def make(cls, **kw):
+        unknown = set(kw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown eqfuse option(s): {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(cls.__dataclass_fields__)}")
+        return cls(**kw)
+
+
+def _signature(tensors) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, tuple(t.stride()), t.device.type) for t in tensors)
+
+
+class CompiledGraph:
+    """A function compiled for the shapes, dtypes and strides of its example inputs.
+
+    Calling it with inputs of another signature compiles again for those (and keeps both).
+    """
+
+    def __init__(self, fn: Callable, example_inputs, options: Options):
+        self.fn = fn
+        self.options = options
+        self._variants: dict[tuple, _Variant] = {}
+        example_inputs = tuple(example_inputs)
+        self._main = self._variant(example_inputs)
+
+    # --- public face ---------------------------------------------------------------------------
+    @property
+    def kernels(self):
+        return self._main.kernels
+
+    @property
+    def fallbacks(self) -> list[FallbackInfo]:
+        return self._main.fallbacks
+
+    @property
+    def source(self) -> str:
+        return self._main.source
+
+    @property
+    def report(self) -> dict:
+        return self._main.report
+
+    @property
+    def plan(self):
+        return self._main.plan
+
+    def explain(self) -> str:
+        return self._main.explain()
+
+    def __call__(self, *inputs):
+        sig = _signature(inputs)
+        variant = self._variants.get(sig)
+        if variant is None:
+            variant = self._variant(inputs)
+        return variant(*inputs)
+
+    def _variant(self, inputs) -> "_Variant":
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                raise EqfuseError(f"input {i} is a {type(x).__name__}; pass tensors "
+                                  "(bind other arguments with functools.partial)")
+        v = _Variant(self.fn, inputs, self.options)
+        self._variants[_signature(inputs)] = v
+        return v
+
+
+@dataclass
+class _Variant:
+    fn: Callable
+    example_inputs: tuple
+    options: Options
+    kernels: list = field(default_factory=list)
+    fallbacks: list = field(default_factory=list)
+    source: str = ""
+    report: dict = field(default_factory=dict)
+    plan: Any = None
+
+    def __post_init__(self):
+        from ..pipeline import build
+
+        start = time.perf_counter()
+        result = build(self.fn, self.example_inputs, self.options)
+        self.__dict__.update(result)
+        self.report["seconds"]["total"] = round(time.perf_counter() - start, 4)
+
+    def __call__(self, *inputs):
+        if self.whole_graph_eager:
+            return self.fn(*inputs)
+        tensors = list(inputs) + list(self.constants)
+        if any(t.device.type != self.device_type for t in tensors):
+            raise EqfuseError(f"inputs are on several devices ({sorted({t.device.type for t in tensors})}); "
+                              "compile for one device")
+        self.module.DEVICE = tensors[0].device if tensors else torch.device(self.device_type)
+        flat = self.module.call(*tensors)
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+    def explain(self) -> str:
+        lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: "
+                 f"{len(self.kernels)} kernel(s), {len(self.fallbacks)} eager fallback(s)"]
+        rep = self.report
+        if "saturation" in rep:
+            s = rep["saturation"]
+            lines.append(f"  saturation: {s['iterations']} iterations, {s['enodes']} e-nodes, "
+                         f"{s['eclasses']} e-classes, stopped: {s['stop_reason']}")
+            fired = ", ".join(f"{k}×{v}" for k, v in sorted(s["rules_fired"].items()))
+            lines.append(f"  rules fired: {fired or 'none'}")
+        if "extraction" in rep:
+            e = rep["extraction"]
+            lines.append(f"  modelled time: {e['plan_cost_us']} us fused vs {e['unfused_cost_us']} us "
+                         "one kernel per op")
+        for k in self.kernels:
+            sched = k.schedule
+            shape = (f"pointwise over {sched.numel} elements" if sched.kind == "pointwise" else
+                     f"{sched.rows} rows x {sched.cols} reduced ({'whole row in registers' if sched.persistent else 'looped'})")
+            lines.append(f"  kernel {k.name}: {shape}; grid {k.grid}, {k.constexprs}")
+            lines.append(f"      computes FX nodes: {', '.join(k.fx_nodes) or '-'}")
+        for f in self.fallbacks:
+            lines.append(f"  eager: {f}")
+        if rep.get("note"):
+            lines.append(f"  note: {rep['note']}")
+        return "\n".join(lines)
+
+
+def make_fallback_runner(step: FallbackStep) -> Callable:
+    """A callable that rebuilds an eager op's arguments from the buffers and runs it."""
+    from ..schema.from_fx import BufRef
+
+    def resolve(obj, bufs):
+        if isinstance(obj, BufArg):
+            return bufs[obj.name]
+        if isinstance(obj, BufRef):
+            base = bufs[obj.buf]
+            return torch.as_strided(base, obj.shape, obj.strides, base.storage_offset() + obj.offset)
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(resolve(x, bufs) for x in obj)
+        if isinstance(obj, dict):
+            return {k: resolve(v, bufs) for k, v in obj.items()}
+        return obj
+
+    def run(bufs):
+        out = step.target(*resolve(step.args, bufs), **resolve(step.kwargs, bufs))
+        outs = list(out) if step.multi else [out]
+        return [o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs]
+    return run

@@ -1,0 +1,648 @@
+"""FX graph -> egglog terms.
+
+Every computing FX node becomes its own kernel, ``Kernel(v)``, and its consumers read it
+with ``Load(Kernel(v))``: the unfused plan, one kernel per op as in eager. Views of graph
+inputs fold into strided loads (FakeTensor strides are exact for them); views of computed
+values become index-map terms. Nodes the schema lacks are recorded as eager fallbacks,
+each with a one-line reason; their computed arguments become roots that must be
+materialised, and their results become ``Input`` buffers for the rest of the graph.
+
+Let-names tie e-classes back to the graph: ``n_<fx name>`` on each node's value,
+``out_<i>`` on each graph output, ``fb_<j>_<k>`` on each fallback argument.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import Unsupported
+from . import ops
+from .ops import dtype_name
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+@dataclass
+class BufferView:
+    """A strided view of a buffer the kernels do not compute (input or eager result)."""
+    buf: str
+    shape: tuple
+    strides: tuple
+    offset: int
+    dtype: str
+    foldable: bool  # views of it may fold into its strides (graph inputs only)
+
+
+@dataclass
+class Computed:
+    term: Any  # a Value term
+    shape: tuple
+    dtype: str
+
+
+@dataclass
+class Fallback:
+    node: str
+    target: Any
+    args: Any  # args with FX nodes replaced by ArgRef / BufRef
+    kwargs: Any
+    reason: str
+    outputs: list  # names of the external buffers it produces (one per tensor result)
+    multi: bool
+    out_info: list = field(default_factory=list)  # (shape, dtype) per output; dtype None if opaque
+
+
+@dataclass(frozen=True)
+class ArgRef:
+    """A computed value, materialised under let-name ``name``, passed to an eager op."""
+    name: str
+
+
+@dataclass(frozen=True)
+class BufRef:
+    """An input / external buffer viewed with (shape, strides, offset), passed to an eager op."""
+    buf: str
+    shape: tuple
+    strides: tuple
+    offset: int
+
+
+@dataclass
+class Translation:
+    egraph: Any
+    inputs: list[tuple[str, tuple, str]]  # (buffer name, shape, dtype) per placeholder
+    outputs: list  # per flat output: ("value", let) | ("buffer", BufRef) | ("const", value)
+    fallbacks: list[Fallback]
+    roots: list[str]  # let-names that must be materialised (outputs, fallback args)
+    node_names: list[str] = field(default_factory=list)
+
+
+def _meta(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
+class Translator:
+    def __init__(self, captured):
+        from egglog import EGraph
+
+        from . import terms
+
+        self.t = terms
+        self.cap = captured
+        self.egraph = EGraph()
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.facts: list = []
+        self.fallbacks: list[Fallback] = []
+        self.roots: list[str] = []
+        self.inputs: list = []
+
+    # --- term construction -------------------------------------------------------------------
+    def mk(self, term, dtype: str):
+        from egglog import String, set_
+        self.facts.append(set_(self.t.vdtype(term)).to(String(dtype)))
+        return term
+
+    def const(self, value, dtype: str):
+        if isinstance(value, bool):
+            value = float(value)
+        return self.mk(self.t.const(value, dtype), dtype)
+
+    def value(self, entry):
+        """The Value term of an entry."""
+        if isinstance(entry, Computed):
+            return entry.term
+        if isinstance(entry, BufferView):
+            t = self.t
+            return self.mk(t.LoadStrided(t.Input(entry.buf, entry.dtype), t.ivec(entry.shape),
+                                         t.ivec(entry.strides), entry.offset), entry.dtype)
+        raise TypeError(entry)
+
+    def cast(self, term, src: str, dst: str):
+        return term if src == dst else self.mk(self.t.Cast(term, dst), dst)
+
+    def operand(self, arg, shape, dtype: str):
+        """An op's argument as a Value of ``dtype``, broadcast to ``shape``."""
+        if isinstance(arg, (int, float, bool)):
+            return self.const(arg, dtype)
+        if isinstance(arg, (BufferView, Computed)):
+            v = self.cast(self.value(arg), arg.dtype, dtype)
+            if tuple(arg.shape) != tuple(shape) and len(arg.shape) > 0:
+                v = self.mk(self.t.Broadcast(v, self.t.ivec(shape)), dtype)
+            return v
+        raise Unsupported(f"argument of type {type(arg).__name__}")
+
+    # --- the walk ------------------------------------------------------------------------------
+    def run(self) -> Translation:
+        order = 0
+        for node in self.cap.gm.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node, order)
+                order += 1
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                outputs = self._outputs(node)
+        if self.facts:
+            self.egraph.register(*self.facts)
+        return Translation(self.egraph, self.inputs, outputs, self.fallbacks, self.roots)
+
+    def _placeholder(self, node, index):
+        v = _meta(node)
+        if not isinstance(v, torch.Tensor):
+            raise Unsupported(f"input {node.name} is not a tensor")
+        name = f"in{index}"
+        dt = self._dtype(v)
+        self.inputs.append((name, tuple(v.shape), dt))
+        self.env[node] = BufferView(name, tuple(v.shape), tuple(v.stride()), 0, dt, foldable=True)
+
+    def _dtype(self, v) -> str:
+        try:
+            return dtype_name(v.dtype)
+        except KeyError:
+            raise Unsupported(f"dtype {v.dtype} is not supported by eqfuse kernels") from None
+
+    def _call(self, node):
+        if node.target is operator.getitem:
+            base = self.env[node.args[0]]
+            self.env[node] = base[node.args[1]]
+            return
+        handler = HANDLERS.get(node.target) or HANDLERS.get(getattr(node.target, "overloadpacket", None))
+        try:
+            if handler is None:
+                raise Unsupported(f"{_op_name(node.target)} has no kernel form in eqfuse yet")
+            out = _meta(node)
+            if isinstance(out, torch.Tensor):
+                self._dtype(out)
+            args = [self._resolve(a) for a in node.args]
+            kwargs = {k: self._resolve(a) for k, a in node.kwargs.items()}
+            entry = handler(self, node, *args, **kwargs)
+        except Unsupported as e:
+            self._fallback(node, str(e))
+            return
+        if isinstance(entry, Computed):
+            # Materialise as its own kernel; consumers read it through Load(Kernel(v)).
+            self.egraph.let(f"n_{node.name}", entry.term)
+            t = self.t
+            loaded = self.mk(t.Load(t.Kernel(entry.term)), entry.dtype)
+            entry = Computed(loaded, entry.shape, entry.dtype)
+        self.env[node] = entry
+
+    def _resolve(self, a):
+        if isinstance(a, torch.fx.Node):
+            return self.env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._resolve(x) for x in a)
+        return a
+
+    def _fallback(self, node, reason):
+        j = len(self.fallbacks)
+
+        def ref(a, path):
+            if isinstance(a, torch.fx.Node):
+                e = self.env[a]
+                if isinstance(e, BufferView):
+                    return BufRef(e.buf, e.shape, e.strides, e.offset)
+                if isinstance(e, list):  # a multi-result eager node passed whole
+                    raise Unsupported("multi-result value passed on")
+                name = f"fb_{j}_{path}"
+                self.egraph.let(name, e.term)
+                self.roots.append(name)
+                return ArgRef(name)
+            if isinstance(a, (list, tuple)):
+                return type(a)(ref(x, f"{path}_{i}") for i, x in enumerate(a))
+            return a
+
+        args = tuple(ref(a, str(i)) for i, a in enumerate(node.args))
+        kwargs = {k: ref(a, k) for k, a in node.kwargs.items()}
+        out = _meta(node)
+        multi = isinstance(out, (list, tuple))
+        metas = list(out) if multi else [out]
+        names, entries, info = [], [], []
+        for k, m in enumerate(metas):
+            name = f"ext{j}_{k}"
+            names.append(name)
+            if isinstance(m, torch.Tensor):
+                try:
+                    dt = self._dtype(m)
+                except Unsupported:
+                    dt = None
+                entries.append(BufferView(name, tuple(m.shape), _contiguous_strides(m.shape), 0, dt,
+                                          foldable=False) if dt else _Opaque(name))
+                info.append((tuple(m.shape), dt))
+            else:
+                entries.append(_Opaque(name))
+                info.append(((), None))
+        self.fallbacks.append(Fallback(node.name, node.target, args, kwargs, reason, names, multi, info))
+        self.env[node] = entries if multi else entries[0]
+
+    def _outputs(self, node):
+        outs = []
+        for i, a in enumerate(node.args[0]):
+            e = self.env[a] if isinstance(a, torch.fx.Node) else a
+            if isinstance(e, BufferView):
+                outs.append(("buffer", BufRef(e.buf, e.shape, e.strides, e.offset)))
+            elif isinstance(e, Computed):
+                name = f"out_{i}"
+                self.egraph.let(name, e.term)
+                self.roots.append(name)
+                outs.append(("value", name, e.shape, e.dtype))
+            elif isinstance(e, _Opaque):
+                outs.append(("opaque", e.name))
+            else:
+                outs.append(("const", e))
+        return outs
+
+
+@dataclass
+class _Opaque:
+    """A non-tensor (or unsupported-dtype) result of an eager node."""
+    name: str
+    shape: tuple = ()
+    dtype: str = "opaque"
+
+
+def _op_name(target) -> str:
+    return getattr(target, "__name__", None) or str(target)
+
+
+def translate(captured) -> Translation:
+    return Translator(captured).run()
+
+
+# --- op handlers -----------------------------------------------------------------------------
+# Each handler gets the translator, the FX node (for its meta) and the resolved arguments,
+# and returns a Computed value (or a BufferView, for views of inputs).
+
+HANDLERS: dict[Any, Callable] = {}
+
+
+def handles(*targets):
+    def deco(fn):
+        for t in targets:
+            HANDLERS[t] = fn
+        return fn
+    return deco
+
+
+def _out(node):
+    m = _meta(node)
+    return tuple(m.shape), dtype_name(m.dtype)
+
+
+def _entry_meta(arg):
+    """A stand-in tensor for torch's type promotion."""
+    if isinstance(arg, (BufferView, Computed)):
+        return torch.empty((1,) * max(len(arg.shape), 1), dtype=ops.DTYPES[arg.dtype], device="meta") \
+            if len(arg.shape) else torch.empty((), dtype=ops.DTYPES[arg.dtype], device="meta")
+    return arg
+
+
+UNARY_TARGETS = {
+    aten.neg: "neg", aten.exp: "exp", aten.log: "log", aten.sqrt: "sqrt", aten.rsqrt: "rsqrt",
+    aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.relu: "relu", aten.abs: "abs", aten.erf: "erf",
+    aten.sin: "sin", aten.cos: "cos", aten.floor: "floor", aten.ceil: "ceil",
+    aten.reciprocal: "reciprocal", aten.logical_not: "not",
+}
+
+
+def _unary(tr, node, x, *rest, **kw):
+    op = UNARY_TARGETS[node.target.overloadpacket]
+    shape, dt = _out(node)
+    if op == "not":
+        v = tr.operand(x, shape, x.dtype)
+        return Computed(tr.mk(tr.t.Unary("not", v), "bool"), shape, "bool")
+    if not ops.is_float(dt) and op not in ("neg", "abs", "relu"):
+        raise Unsupported(f"{op} on {dt}")
+    v = tr.operand(x, shape, dt)
+    return Computed(tr.mk(tr.t.Unary(op, v), dt), shape, dt)
+
+
+handles(*UNARY_TARGETS)(_unary)
+
+
+@handles(aten.bitwise_not)
+def _bitwise_not(tr, node, x):
+    if x.dtype != "bool":
+        raise Unsupported("bitwise_not on integers")
+    shape, _ = _out(node)
+    return Computed(tr.mk(tr.t.Unary("not", tr.operand(x, shape, "bool")), "bool"), shape, "bool")
+
+
+BINARY_TARGETS = {
+    aten.add: "add", aten.sub: "sub", aten.mul: "mul", aten.div: "div", aten.maximum: "maximum",
+    aten.minimum: "minimum", aten.eq: "eq", aten.ne: "ne", aten.lt: "lt", aten.le: "le",
+    aten.gt: "gt", aten.ge: "ge", aten.logical_and: "and", aten.logical_or: "or",
+    aten.logical_xor: "xor", aten.bitwise_and: "and", aten.bitwise_or: "or", aten.bitwise_xor: "xor",
+    prims.div: "div", aten.pow: "pow",
+}
+POW_EXPONENTS = {0.5, -0.5, 1.0, 2.0, 3.0, -1.0}
+
+
+def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
+    op = BINARY_TARGETS[node.target.overloadpacket]
+    shape, dt = _out(node)
+    if rounding_mode is not None:
+        raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
+    if op == "pow":
+        if not isinstance(b, (int, float)) or float(b) not in POW_EXPONENTS:
+            raise Unsupported("pow is supported with a scalar exponent in {±0.5, 1, 2, 3, -1}")
+    if op in ("and", "or", "xor") and dt != "bool":
+        raise Unsupported(f"bitwise {op} on integers")
+    if op in ops.COMPARISONS:
+        compute = dtype_name(torch.result_type(_entry_meta(a), _entry_meta(b)))
+        if op in ("and", "or", "xor"):
+            compute = "bool"
+    else:
+        compute = dt
+        if op == "div" and not ops.is_float(dt):
+            raise Unsupported("integer division")
+    va, vb = tr.operand(a, shape, compute), tr.operand(b, shape, compute)
+    if alpha is not None and alpha != 1:
+        vb = tr.mk(tr.t.Binary("mul", vb, tr.const(alpha, compute)), compute)
+    return Computed(tr.mk(tr.t.Binary(op, va, vb), dt), shape, dt)
+
+
+handles(*BINARY_TARGETS)(_binary)
+
+
+@handles(aten.where)
+def _where(tr, node, c, a, b):
+    shape, dt = _out(node)
+    vc = tr.operand(c, shape, "bool")
+    return Computed(tr.mk(tr.t.Where(vc, tr.operand(a, shape, dt), tr.operand(b, shape, dt)), dt), shape, dt)
+
+
+@handles(aten.clamp, aten.clamp_min, aten.clamp_max)
+def _clamp(tr, node, x, lo=None, hi=None, **kw):
+    shape, dt = _out(node)
+    if node.target.overloadpacket is aten.clamp_max:
+        lo, hi = None, lo
+    v = tr.operand(x, shape, dt)
+    if lo is not None:
+        v = tr.mk(tr.t.Binary("maximum", v, tr.operand(lo, shape, dt)), dt)
+    if hi is not None:
+        v = tr.mk(tr.t.Binary("minimum", v, tr.operand(hi, shape, dt)), dt)
+    return Computed(v, shape, dt)
+
+
+@handles(aten._to_copy, prims.convert_element_type, aten.to)
+def _to_copy(tr, node, x, *args, **kw):
+    shape, dt = _out(node)
+    m = _meta(node)
+    if isinstance(x, (BufferView, Computed)) and str(m.device) != str(_meta(node.args[0]).device):
+        raise Unsupported("a copy between devices")
+    return Computed(tr.cast(tr.value(x), x.dtype, dt), shape, dt)
+
+
+@handles(aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.contiguous)
+def _identity(tr, node, x, *args, **kw):
+    return x
+
+
+@handles(aten.full, aten.scalar_tensor, aten.full_like, aten.zeros_like, aten.ones_like)
+def _full(tr, node, *args, **kw):
+    shape, dt = _out(node)
+    pk = node.target.overloadpacket
+    value = {aten.full: lambda: args[1], aten.scalar_tensor: lambda: args[0],
+             aten.full_like: lambda: args[1], aten.zeros_like: lambda: 0,
+             aten.ones_like: lambda: 1}[pk]()
+    v = tr.const(value, dt)
+    if shape:
+        v = tr.mk(tr.t.Broadcast(v, tr.t.ivec(shape)), dt)
+    return Computed(v, shape, dt)
+
+
+@handles(aten.arange)
+def _arange(tr, node, *args, **kw):
+    shape, dt = _out(node)
+    nums = [a for a in args if isinstance(a, (int, float))]
+    start, step = (0, 1)
+    if len(nums) >= 2:
+        start = nums[0]
+    if len(nums) >= 3:
+        step = nums[2]
+    v = tr.mk(tr.t.Iota(tr.t.ivec(shape), 0), "int64")
+    v = tr.cast(v, "int64", dt)
+    if step != 1:
+        v = tr.mk(tr.t.Binary("mul", v, tr.const(step, dt)), dt)
+    if start != 0:
+        v = tr.mk(tr.t.Binary("add", v, tr.const(start, dt)), dt)
+    return Computed(v, shape, dt)
+
+
+# --- reductions ------------------------------------------------------------------------------
+
+def _reduce(tr, x, dims, keepdim: bool, op: str, out_dtype: str, out_shape):
+    """Reduce ``x`` over ``dims``: permute the reduced dims last, flatten them, reduce the last axis."""
+    t = tr.t
+    shape = tuple(x.shape)
+    rank = len(shape)
+    dims = sorted({d % rank for d in dims}) if rank and dims else list(range(rank))
+    v = tr.cast(tr.value(x), x.dtype, out_dtype)
+    if rank == 0:
+        v = tr.mk(t.Reshape(v, t.ivec((1, 1))), out_dtype)
+        kept, red = [], [1]
+    else:
+        kept = [d for d in range(rank) if d not in dims]
+        perm = kept + dims
+        if perm != list(range(rank)):
+            v = tr.mk(t.Permute(v, t.ivec(perm)), out_dtype)
+        red_n = math.prod(shape[d] for d in dims)
+        flat = tuple(shape[d] for d in kept) + (red_n,)
+        if not kept:
+            flat = (1, red_n)
+        if flat != tuple(shape[d] for d in perm):
+            v = tr.mk(t.Reshape(v, t.ivec(flat)), out_dtype)
+        red = [red_n]
+    r = tr.mk(t.Reduce(op, v), out_dtype)
+    reduced_shape = tuple(shape[d] for d in kept) + (1,) if kept else (1, 1)
+    if op == "mean":
+        raise AssertionError("mean is sum / n")
+    if tuple(out_shape) != reduced_shape:
+        r = tr.mk(t.Reshape(r, t.ivec(out_shape)), out_dtype)
+    return Computed(r, tuple(out_shape), out_dtype), red[0]
+
+
+def _reduce_args(node, x, dims=None, keepdim=False, **kw):
+    if dims is None:
+        dims = []
+    if isinstance(dims, int):
+        dims = [dims]
+    return list(dims), bool(keepdim)
+
+
+@handles(aten.sum, prims.sum)
+def _sum(tr, node, x, dims=None, keepdim=False, dtype=None, **kw):
+    shape, dt = _out(node)
+    dims, keepdim = _reduce_args(node, x, dims, keepdim)
+    return _reduce(tr, x, dims, keepdim, "sum", dt, shape)[0]
+
+
+@handles(aten.amax, aten.amin)
+def _amax(tr, node, x, dims=None, keepdim=False):
+    shape, dt = _out(node)
+    dims, keepdim = _reduce_args(node, x, dims, keepdim)
+    op = "max" if node.target.overloadpacket is aten.amax else "min"
+    return _reduce(tr, x, dims, keepdim, op, dt, shape)[0]
+
+
+@handles(aten.mean)
+def _mean(tr, node, x, dims=None, keepdim=False, dtype=None):
+    shape, dt = _out(node)
+    if not ops.is_float(dt):
+        raise Unsupported("mean of integers")
+    dims, keepdim = _reduce_args(node, x, dims, keepdim)
+    s, n = _reduce(tr, x, dims, keepdim, "sum", dt, shape)
+    return Computed(tr.mk(tr.t.Binary("div", s.term, tr.const(n, dt)), dt), shape, dt)
+
+
+@handles(prims.var)
+def _var(tr, node, x, dims, correction=0.0, **kw):
+    """Two-pass variance: mean first, then the mean of squared deviations (stable)."""
+    shape, dt = _out(node)
+    t = tr.t
+    rank = len(x.shape)
+    keep_shape = tuple(1 if (d in [e % rank for e in dims]) else s for d, s in enumerate(x.shape))
+    s, n = _reduce(tr, x, dims, True, "sum", dt, keep_shape)
+    mean = tr.mk(t.Binary("div", s.term, tr.const(n, dt)), dt)
+    xv = tr.cast(tr.value(x), x.dtype, dt)
+    dev = tr.mk(t.Binary("sub", xv, tr.mk(t.Broadcast(mean, t.ivec(x.shape)), dt)), dt)
+    sq = tr.mk(t.Binary("mul", dev, dev), dt)
+    ss, _ = _reduce(tr, Computed(sq, tuple(x.shape), dt), dims, False, "sum", dt, shape)
+    return Computed(tr.mk(t.Binary("div", ss.term, tr.const(max(n - correction, 0), dt)), dt), shape, dt)
+
+
+# --- views -----------------------------------------------------------------------------------
+
+def _view(tr, node, x, make_term):
+    """A view: folds into the strides of an input buffer, else an index-map term."""
+    shape, dt = _out(node)
+    m = _meta(node)
+    if isinstance(x, BufferView) and x.foldable:
+        base = _meta(node.args[0])
+        offset = x.offset + (m.storage_offset() - base.storage_offset())
+        return BufferView(x.buf, shape, tuple(m.stride()), offset, dt, True)
+    v = tr.value(x)
+    return Computed(tr.mk(make_term(v, shape), dt), shape, dt)
+
+
+def _reshape_term(tr):
+    return lambda v, shape: tr.t.Reshape(v, tr.t.ivec(shape))
+
+
+@handles(aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.flatten,
+         aten.unflatten)
+def _reshape(tr, node, x, *args, **kw):
+    return _view(tr, node, x, _reshape_term(tr))
+
+
+@handles(aten.expand)
+def _expand(tr, node, x, *args, **kw):
+    return _view(tr, node, x, lambda v, shape: tr.t.Broadcast(v, tr.t.ivec(shape)))
+
+
+@handles(prims.broadcast_in_dim)
+def _broadcast_in_dim(tr, node, x, shape, bdims):
+    # Insert the missing dims as size 1, then broadcast.
+    inter = [1] * len(shape)
+    for src, d in enumerate(bdims):
+        inter[d] = x.shape[src]
+    t = tr.t
+    v = tr.value(x)
+    if tuple(inter) != tuple(x.shape):
+        v = tr.mk(t.Reshape(v, t.ivec(inter)), x.dtype)
+    if tuple(inter) != tuple(shape):
+        v = tr.mk(t.Broadcast(v, t.ivec(shape)), x.dtype)
+    return Computed(v, tuple(shape), x.dtype)
+
+
+@handles(aten.permute, aten.transpose, aten.t, aten.numpy_T)
+def _permute(tr, node, x, *args, **kw):
+    rank = len(x.shape)
+    pk = node.target.overloadpacket
+    if pk is aten.permute:
+        perm = [d % rank for d in args[0]]
+    elif pk is aten.transpose:
+        perm = list(range(rank))
+        a, b = args[0] % rank, args[1] % rank
+        perm[a], perm[b] = perm[b], perm[a]
+    else:
+        perm = list(reversed(range(rank)))
+    return _view(tr, node, x, lambda v, shape: tr.t.Permute(v, tr.t.ivec(perm)))
+
+
+def _norm_start(start, size):
+    if start is None:
+        return 0
+    if start < 0:
+        start += size
+    return min(max(start, 0), size)
+
+
+@handles(aten.slice)
+def _slice(tr, node, x, dim=0, start=None, end=None, step=1):
+    dim = dim % len(x.shape)
+    s0 = _norm_start(start, x.shape[dim])
+    shape, _ = _out(node)
+    return _view(tr, node, x, lambda v, sh: tr.t.Slice(v, dim, s0, step, shape[dim]))
+
+
+@handles(aten.select)
+def _select(tr, node, x, dim, index):
+    dim = dim % len(x.shape)
+    index = index % x.shape[dim]
+    t = tr.t
+
+    def term(v, shape):
+        sliced = tr.mk(t.Slice(v, dim, index, 1, 1), x.dtype)
+        return t.Reshape(sliced, t.ivec(shape))
+    return _view(tr, node, x, term)
+
+
+@handles(aten.cat)
+def _cat(tr, node, tensors, dim=0):
+    shape, dt = _out(node)
+    parts = [p for p in tensors if math.prod(p.shape) > 0 or len(p.shape) == len(shape)]
+    parts = [p for p in parts if len(p.shape) == len(shape)]
+    dim = dim % len(shape)
+    if not parts:
+        raise Unsupported("cat of nothing")
+    v = tr.cast(tr.value(parts[0]), parts[0].dtype, dt)
+    for p in parts[1:]:
+        v = tr.mk(tr.t.Cat(v, tr.cast(tr.value(p), p.dtype, dt), dim), dt)
+    return Computed(v, shape, dt)
+
+
+@handles(aten.split, aten.split_with_sizes)
+def _split(tr, node, x, sizes, dim=0):
+    dim = dim % len(x.shape)
+    n = x.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - s) for s in range(0, n, sizes)] or [0]
+    out, start = [], 0
+    t = tr.t
+    for size in sizes:
+        sub_shape = list(x.shape)
+        sub_shape[dim] = size
+        if isinstance(x, BufferView) and x.foldable:
+            offset = x.offset + start * x.strides[dim]
+            out.append(BufferView(x.buf, tuple(sub_shape), x.strides, offset, x.dtype, True))
+        else:
+            out.append(Computed(tr.mk(t.Slice(tr.value(x), dim, start, 1, size), x.dtype),
+                                tuple(sub_shape), x.dtype))
+        start += size
+    return out

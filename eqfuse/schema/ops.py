@@ -1,0 +1,110 @@
+"""The kernel-level operators: one table that says what each means in PyTorch (the
+reference used by the soundness tests) and how it is written in Triton.
+
+Triton templates take operand expressions already converted to the compute dtype
+(float32 for every floating type narrower than float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    torch_fn: Callable
+    triton: str  # a format string over {a}, {b}
+    cost: float = 1.0  # relative compute cost per element, for the cost model
+
+
+def _tanh_triton() -> str:
+    # 2*sigmoid(2x)-1: exact to float32 rounding, and portable to the interpreter.
+    return "(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)"
+
+
+UNARY: dict[str, OpDef] = {op.name: op for op in [
+    OpDef("neg", torch.neg, "(-{a})", 0.5),
+    OpDef("exp", torch.exp, "tl.exp({a})", 2),
+    OpDef("log", torch.log, "tl.log({a})", 2),
+    OpDef("sqrt", torch.sqrt, "tl.sqrt({a})", 2),
+    OpDef("rsqrt", torch.rsqrt, "tl.rsqrt({a})", 2),
+    OpDef("tanh", torch.tanh, _tanh_triton(), 3),
+    OpDef("sigmoid", torch.sigmoid, "tl.sigmoid({a})", 3),
+    OpDef("relu", torch.relu, "tl.maximum({a}, 0)", 0.5),
+    OpDef("abs", torch.abs, "tl.abs({a})", 0.5),
+    OpDef("erf", torch.erf, "tl.erf({a})", 3),
+    OpDef("sin", torch.sin, "tl.sin({a})", 3),
+    OpDef("cos", torch.cos, "tl.cos({a})", 3),
+    OpDef("floor", torch.floor, "tl.floor({a})", 0.5),
+    OpDef("ceil", torch.ceil, "tl.ceil({a})", 0.5),
+    OpDef("reciprocal", torch.reciprocal, "(1.0 / {a})", 1),
+    OpDef("not", torch.logical_not, "({a} == 0)", 0.5),
+]}
+
+BINARY: dict[str, OpDef] = {op.name: op for op in [
+    OpDef("add", torch.add, "({a} + {b})"),
+    OpDef("sub", torch.sub, "({a} - {b})"),
+    OpDef("mul", torch.mul, "({a} * {b})"),
+    OpDef("div", torch.div, "({a} / {b})", 1.5),
+    OpDef("pow", torch.pow, "libdevice.pow({a}, {b})", 4),
+    OpDef("maximum", torch.maximum, "tl.maximum({a}, {b})"),
+    OpDef("minimum", torch.minimum, "tl.minimum({a}, {b})"),
+    OpDef("eq", torch.eq, "({a} == {b})"),
+    OpDef("ne", torch.ne, "({a} != {b})"),
+    OpDef("lt", torch.lt, "({a} < {b})"),
+    OpDef("le", torch.le, "({a} <= {b})"),
+    OpDef("gt", torch.gt, "({a} > {b})"),
+    OpDef("ge", torch.ge, "({a} >= {b})"),
+    OpDef("and", torch.logical_and, "({a} & {b})"),
+    OpDef("or", torch.logical_or, "({a} | {b})"),
+    OpDef("xor", torch.logical_xor, "({a} ^ {b})"),
+]}
+
+COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor"}
+
+# Reductions over the last axis: torch reference and the neutral element.
+REDUCE: dict[str, tuple[Callable, float]] = {
+    "sum": (lambda x: x.sum(-1, keepdim=True), 0.0),
+    "max": (lambda x: x.amax(-1, keepdim=True), float("-inf")),
+    "min": (lambda x: x.amin(-1, keepdim=True), float("inf")),
+}
+
+# dtype names used in terms, and the torch / Triton types they stand for.
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+TRITON_DTYPES = {
+    "float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
+    "float64": "tl.float64", "int8": "tl.int8", "int16": "tl.int16", "int32": "tl.int32",
+    "int64": "tl.int64", "uint8": "tl.uint8", "bool": "tl.int1",
+}
+NARROW_FLOATS = {"float16", "bfloat16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise KeyError(f"dtype {dtype} is not supported by eqfuse kernels") from None
+
+
+def itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+def is_float(dtype: str) -> bool:
+    return DTYPES[dtype].is_floating_point
