@@ -139,7 +139,8 @@ class KernelWriter:
         r = Idx("rindex", frozenset("r"))
         c = Idx("cindex", frozenset("c"))
         outer = self.s.reduce_shape[:-1]
-        full = Env(self.s.reduce_shape, unravel(r, outer) + (c,),
+        # A reduced axis of length 1 has index 0 everywhere: then rows and columns coincide.
+        full = Env(self.s.reduce_shape, unravel(r, outer) + (c if self.s.cols != 1 else ZERO,),
                    Idx("(rindex * C + cindex)", frozenset("rc")), Split(r, c, self.s.cols))
         row = Env(tuple(outer) + (1,), unravel(r, outer) + (ZERO,), r, Split(r, ZERO, 1))
         return full, row

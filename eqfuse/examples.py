@@ -1,0 +1,126 @@
+"""The built-in examples: plain PyTorch functions, each with an input factory and the
+number of kernels eqfuse should make of it. ``eqfuse demo`` and the tests use them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def vector_add(x, y):
+    return x + y
+
+
+def add_constant(x):
+    return x + 3.5
+
+
+def outer_add(a, b):
+    return a[:, None] + b[None, :]
+
+
+def mul_relu(x, y):
+    return torch.relu(x * y)
+
+
+def softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def causal_softmax(scores):
+    n = scores.shape[-1]
+    mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=scores.device))
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def rmsnorm(x, weight):
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return out.to(x.dtype) * weight
+
+
+def residual_layernorm(x, residual, weight, bias):
+    h = x + residual
+    return h, F.layer_norm(h, (h.shape[-1],), weight, bias, eps=1e-5)
+
+
+def swiglu(a, b):
+    return F.silu(a) * b
+
+
+def gelu(x):
+    return F.gelu(x)
+
+
+def gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def log_softmax(x):
+    return torch.log_softmax(x, dim=-1)
+
+
+@dataclass(frozen=True)
+class Example:
+    name: str
+    fn: Callable
+    make_inputs: Callable  # (rows, cols, dtype, device) -> tuple of tensors
+    kernels: int  # expected kernel count
+    demo_shape: tuple = (64, 1000)
+
+
+def _x(rows, cols, dtype, device):
+    return (torch.randn(rows, cols, dtype=dtype, device=device),)
+
+
+def _xy(rows, cols, dtype, device):
+    return tuple(torch.randn(rows, cols, dtype=dtype, device=device) for _ in range(2))
+
+
+def _scores(rows, cols, dtype, device):
+    return (torch.randn(cols, cols, dtype=dtype, device=device),)
+
+
+def _outer(rows, cols, dtype, device):
+    return (torch.randn(rows, dtype=dtype, device=device), torch.randn(cols, dtype=dtype, device=device))
+
+
+def _rms(rows, cols, dtype, device):
+    return (torch.randn(rows, cols, dtype=dtype, device=device),
+            torch.rand(cols, dtype=dtype, device=device) + 0.5)
+
+
+def _ln(rows, cols, dtype, device):
+    return (torch.randn(rows, cols, dtype=dtype, device=device),
+            torch.randn(rows, cols, dtype=dtype, device=device),
+            torch.rand(cols, dtype=dtype, device=device) + 0.5,
+            torch.randn(cols, dtype=dtype, device=device))
+
+
+EXAMPLES: dict[str, Example] = {e.name: e for e in [
+    Example("vector_add", vector_add, _xy, 1),
+    Example("add_constant", add_constant, _x, 1),
+    Example("outer_add", outer_add, _outer, 1),
+    Example("mul_relu", mul_relu, _xy, 1),
+    Example("softmax", softmax, _x, 1),
+    Example("causal_softmax", causal_softmax, _scores, 1, (1, 100)),
+    Example("rmsnorm", rmsnorm, _rms, 1),
+    Example("residual_layernorm", residual_layernorm, _ln, 1),
+    Example("swiglu", swiglu, _xy, 1),
+    Example("gelu", gelu, _x, 1),
+    Example("gelu_tanh", gelu_tanh, _x, 1),
+    Example("log_softmax", log_softmax, _x, 1),
+]}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing a fused kernel with eager PyTorch."""
+    return {torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-2),
+            torch.bfloat16: (5e-2, 5e-2), torch.float64: (1e-7, 1e-9)}.get(dtype, (0, 0))
+
+
+__all__ = ["EXAMPLES", "Example", "tolerance", "math"]
