@@ -160,6 +160,8 @@ class KernelWriter:
             return self.memo_outer[key]
         if key in self.memo_loop:
             return self.memo_loop[key]
+        if tuple(env.shape) != tuple(node.shape) and node.op != "const":
+            raise AssertionError(f"{node.op} of shape {node.shape} evaluated at {env.shape}")
         val = getattr(self, f"_emit_{node.op}")(node, env)
         memo = self.memo_loop if (self.loop is not None and "c" in val.axes) else self.memo_outer
         memo[key] = val
@@ -169,8 +171,7 @@ class KernelWriter:
         buf, strides, offset = node.attrs
         if buf not in self.params:
             self.params.append(buf)
-        if env.linear is not None and offset == 0 and tuple(strides) == contiguous_strides(node.shape) \
-                and env.guard is None:
+        if env.linear is not None and offset == 0 and tuple(strides) == contiguous_strides(node.shape):
             off = env.linear
         else:
             terms, axes = [], frozenset()

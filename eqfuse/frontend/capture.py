@@ -9,6 +9,8 @@ the user's result.
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -68,12 +70,17 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
     if isinstance(fn, torch.nn.Module):
         module_params = [p for p in fn.parameters()] + [b for b in fn.buffers()]
 
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # our error says it in one line
     try:
         gm = make_fx(flat_fn, decomposition_table=decomposition_table(), tracing_mode="fake",
                      _allow_non_fake_inputs=True)(*example_inputs)
     except Exception as e:  # torch raises many kinds: report one clear line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(f"could not trace the function: {type(e).__name__}: {msg}") from e
+    finally:
+        quiet.setLevel(level)
 
     # Tensor constants (module parameters, tensors closed over) become extra inputs.
     constants = []

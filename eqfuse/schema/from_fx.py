@@ -140,7 +140,7 @@ class Translator:
             return self.const(arg, dtype)
         if isinstance(arg, (BufferView, Computed)):
             v = self.cast(self.value(arg), arg.dtype, dtype)
-            if tuple(arg.shape) != tuple(shape) and len(arg.shape) > 0:
+            if tuple(arg.shape) != tuple(shape):
                 v = self.mk(self.t.Broadcast(v, self.t.ivec(shape)), dtype)
             return v
         raise Unsupported(f"argument of type {type(arg).__name__}")

@@ -1,0 +1,79 @@
+"""Bad input gets a clear error, or an eager fallback with a one-line reason."""
+
+import pytest
+import torch
+from conftest import assert_matches
+
+import eqfuse
+from eqfuse import CaptureError, EqfuseError
+
+
+def test_shapes_that_do_not_broadcast():
+    with pytest.raises(CaptureError, match=r"could not trace.*broadcast a dimension of length 4"):
+        eqfuse.compile(lambda a, b: a + b, (torch.randn(2, 3), torch.randn(2, 4)))
+
+
+def test_complex_dtype_runs_in_eager_with_reason():
+    x = torch.randn(4, 4, dtype=torch.complex64)
+    c = eqfuse.compile(lambda x: x * 2, (x,))
+    assert c.kernels == []
+    assert len(c.fallbacks) == 1 and "complex64" in c.fallbacks[0].reason
+    assert torch.equal(c(x), x * 2)
+
+
+def test_unsupported_op_falls_back_and_the_rest_fuses():
+    def f(x):
+        y = torch.exp(x) + 1
+        z = torch.cumsum(y, dim=-1)
+        return torch.relu(z) * 2
+    x = torch.randn(4, 8)
+    c = eqfuse.compile(f, (x,))
+    assert_matches(c(x), f(x))
+    assert [fb.node for fb in c.fallbacks] == ["cumsum"]
+    assert "cumsum" in c.fallbacks[0].reason
+    assert len(c.kernels) == 2
+
+
+def test_unsupported_pow_exponent_falls_back():
+    f = lambda x: x.abs() ** 1.7  # noqa: E731
+    x = torch.randn(5, 5)
+    c = eqfuse.compile(f, (x,))
+    assert_matches(c(x), f(x))
+    assert any("pow" in fb.reason for fb in c.fallbacks)
+
+
+def test_new_shape_at_call_time_recompiles():
+    f = lambda x: torch.softmax(x, -1)  # noqa: E731
+    c = eqfuse.compile(f, (torch.randn(4, 8),))
+    y = torch.randn(3, 5)
+    assert_matches(c(y), f(y))
+    assert c.kernels[0].constexprs["C"] == 8  # the first compile is unchanged
+
+
+def test_non_tensor_input_is_a_clear_error():
+    with pytest.raises(EqfuseError, match="input 1 is a float"):
+        eqfuse.compile(lambda x, s: x * s, (torch.randn(3), 2.0))
+
+
+def test_unknown_option_is_a_clear_error():
+    with pytest.raises(TypeError, match="unknown eqfuse option"):
+        eqfuse.compile(lambda x: x, (torch.randn(3),), max_nodes=3)
+
+
+def test_inplace_op_runs_whole_graph_in_eager():
+    def f(x):
+        y = x * 2
+        y.add_(1)
+        return y
+    x = torch.randn(3, 3)
+    c = eqfuse.compile(f, (x,))
+    assert_matches(c(x), f(x))
+    assert c.fallbacks and "in-place" in c.fallbacks[0].reason
+
+
+def test_saturation_limit_is_reported_and_result_still_correct():
+    from eqfuse.examples import rmsnorm
+    x, w = torch.randn(4, 8), torch.rand(8)
+    c = eqfuse.compile(rmsnorm, (x, w), max_enodes=5)
+    assert "e-node limit" in c.report["saturation"]["stop_reason"]
+    assert_matches(c(x, w), rmsnorm(x, w))
