@@ -1,0 +1,132 @@
+"""Memory-bound workloads: eqfuse vs eager vs torch.compile, side by side in one run.
+
+    python benchmarks/memory_bound.py [--out results.json] [--quick]
+
+Reports microseconds (median, L2 flushed between runs by triton.testing.do_bench) and the
+fraction of measured copy bandwidth each reaches: ideal bytes (each input read once, each
+output written once) / time / copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+import eqfuse
+from eqfuse.examples import residual_layernorm, rmsnorm, softmax, swiglu, tolerance
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.randn(1 << 26, device="cuda")  # 256 MiB: far beyond L2
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (t * 1e-3)
+
+
+def workloads(quick: bool):
+    f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    scale = 4 if quick else 1
+
+    def rms(rows, cols):
+        return (lambda: (torch.randn(rows, cols, dtype=f16, device="cuda"),
+                         torch.rand(cols, dtype=f16, device="cuda") + 0.5),
+                (2 * rows * cols + cols) * 2)
+
+    def sm(rows, cols):
+        return (lambda: (torch.randn(rows, cols, dtype=f32, device="cuda"),), 2 * rows * cols * 4)
+
+    def ln(rows, cols):
+        return (lambda: (torch.randn(rows, cols, dtype=f16, device="cuda"),
+                         torch.randn(rows, cols, dtype=f16, device="cuda"),
+                         torch.rand(cols, dtype=f16, device="cuda") + 0.5,
+                         torch.randn(cols, dtype=f16, device="cuda")),
+                (4 * rows * cols + 2 * cols) * 2)
+
+    def sw(rows, cols):
+        return (lambda: (torch.randn(rows, cols, dtype=bf16, device="cuda"),
+                         torch.randn(rows, cols, dtype=bf16, device="cuda")), 3 * rows * cols * 2)
+
+    return [
+        ("RMSNorm 4096x4096 fp16", rmsnorm, *rms(4096 // scale, 4096)),
+        ("RMSNorm 8192x1536 fp16", rmsnorm, *rms(8192 // scale, 1536)),
+        ("softmax 4096x4096 fp32", softmax, *sm(4096 // scale, 4096)),
+        ("residual+LayerNorm 8192x4096 fp16", residual_layernorm, *ln(8192 // scale, 4096)),
+        ("SwiGLU silu(a)*b 8192x11008 bf16", swiglu, *sw(8192 // scale, 11008)),
+    ]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
+
+
+def check(got, ref, dtype):
+    got = got if isinstance(got, tuple) else (got,)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    rtol, atol = tolerance(dtype)
+    return all(torch.allclose(g.float(), r.float(), rtol=rtol, atol=atol) for g, r in zip(got, ref))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    device = torch.cuda.get_device_name()
+    print(f"{device}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for name, fn, make, ideal_bytes in workloads(args.quick):
+        inputs = make()
+        dtype = inputs[0].dtype
+        ref = fn(*inputs)
+        t0 = time.perf_counter()
+        compiled = eqfuse.compile(fn, inputs)
+        eq_compile_s = time.perf_counter() - t0
+        ok = check(compiled(*inputs), ref, dtype)
+        torch._dynamo.reset()
+        inductor = torch.compile(fn)
+        t0 = time.perf_counter()
+        inductor(*inputs)
+        torch.cuda.synchronize()
+        ind_compile_s = time.perf_counter() - t0
+        t_eager, t_ind, t_eq = bench(lambda: fn(*inputs)), bench(lambda: inductor(*inputs)), \
+            bench(lambda: compiled(*inputs))
+        # The kernels alone, without the Python launcher: what the GPU spends.
+        launch = compiled._main.module.call
+        t_eq_kernels = bench(lambda: launch(*inputs))
+        ideal_us = ideal_bytes / bw * 1e6
+        row = {"workload": name, "eager_us": round(t_eager, 2), "torch_compile_us": round(t_ind, 2),
+               "eqfuse_us": round(t_eq, 2), "eqfuse_launch_only_us": round(t_eq_kernels, 2),
+               "ideal_us": round(ideal_us, 2), "eqfuse_fraction_of_copy_bw": round(ideal_us / t_eq, 3),
+               "torch_compile_fraction_of_copy_bw": round(ideal_us / t_ind, 3),
+               "speedup_vs_eager": round(t_eager / t_eq, 2), "speedup_vs_torch_compile": round(t_ind / t_eq, 3),
+               "kernels": len(compiled.kernels), "configs": [k.constexprs | {"num_warps": k.num_warps}
+                                                            for k in compiled.kernels],
+               "matches_eager": ok, "eqfuse_compile_s": round(eq_compile_s, 2),
+               "torch_compile_compile_s": round(ind_compile_s, 2)}
+        rows.append(row)
+        print(f"{name:36s} eager {t_eager:8.1f}  inductor {t_ind:8.1f}  eqfuse {t_eq:8.1f} "
+              f"(kernels {t_eq_kernels:7.1f})  ideal {ideal_us:6.1f}  "
+              f"{100 * ideal_us / t_eq:5.1f}% bw  ok={ok}", flush=True)
+    result = {"device": device, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "triton": triton.__version__, "eqfuse": eqfuse.__version__, "python": platform.python_version(),
+              "copy_bandwidth_GBps": round(bw / 1e9, 1), "quick": args.quick, "results": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if all(r["matches_eager"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
