@@ -220,8 +220,8 @@ class KernelWriter:
         src = node.args[0]
         a = self.emit(src, env)
         dst = node.dtype
-        if dst == src.dtype:
-            return a
+        if dst == src.dtype or (dst == "float32" and src.dtype in ops.NARROW_FLOATS):
+            return a  # narrow floats are computed in float32 already
         if dst == "bool":
             return self.assign(f"({a.expr} != 0)", a.axes)
         if dst in ops.NARROW_FLOATS:
@@ -323,9 +323,9 @@ class KernelWriter:
     def write(self, cfg: dict) -> str:
         s = self.s
         self.cfg_x_even = cfg.get("XBLOCK", 1)
-        self.rows_even = s.kind == "reduction" and s.rows % cfg.get("BLOCK_R", 1) == 0
+        self.rows_even = s.kind == "reduction" and s.rows % (cfg.get("BLOCK_R", 1) * cfg.get("ROW_PROGRAMS", 1)) == 0
         self.cols_even = s.kind == "reduction" and s.persistent and s.cols == cfg.get("BLOCK_C", 0)
-        head = []
+        head, loop_head = [], []
         pid = f"tl.program_id(0){self.index_dtype_cast}"
         if s.kind == "pointwise":
             head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
@@ -334,13 +334,21 @@ class KernelWriter:
             for root, buf in self.spec.roots:
                 self.store(root, buf, self.root_env(root))
         else:
-            head.append(f"rindex = {pid} * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
-            if not self.rows_even:
-                head.append("rmask = rindex < R")
             if s.persistent:
                 head.append("cindex = tl.arange(0, BLOCK_C)[None, :]")
                 if not self.cols_even:
                     head.append("cmask = cindex < C")
+            if cfg.get("ROW_PROGRAMS"):
+                # A persistent grid: each program walks row blocks, and Triton's pipeliner
+                # prefetches the next block's loads while this one computes.
+                iters = -(-(-(-s.rows // cfg["BLOCK_R"])) // cfg["ROW_PROGRAMS"])
+                head.append(f"for it in tl.range(0, {iters}, num_stages=STAGES):")
+                loop_head.append(f"rblock = {pid} + it * ROW_PROGRAMS")
+                loop_head.append("rindex = rblock * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
+            else:
+                loop_head.append(f"rindex = {pid} * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
+            if not self.rows_even:
+                loop_head.append("rmask = rindex < R")
             full_roots = [(r, b) for r, b in self.spec.roots if r.numel == s.rows * s.cols and s.cols != 1]
             row_roots = [(r, b) for r, b in self.spec.roots if (r, b) not in full_roots]
             for root, buf in row_roots:
@@ -360,8 +368,11 @@ class KernelWriter:
             params += ["xnumel: tl.constexpr", "XBLOCK: tl.constexpr"]
         else:
             params += ["R: tl.constexpr", "C: tl.constexpr", "BLOCK_R: tl.constexpr", "BLOCK_C: tl.constexpr"]
+            if cfg.get("ROW_PROGRAMS"):
+                params += ["ROW_PROGRAMS: tl.constexpr", "STAGES: tl.constexpr"]
         doc = ", ".join(self.spec.fx_nodes) or "(no FX node)"
-        body = head + self.lines
+        indent = "    " if cfg.get("ROW_PROGRAMS") else ""
+        body = head + [indent + line for line in loop_head + self.lines]
         out = ["@triton.jit", f"def {self.spec.name}({', '.join(params)}):",
                f'    """FX nodes: {doc}"""']
         out += ["    " + b for b in body]
@@ -420,7 +431,7 @@ def default_config(sched: Schedule) -> dict:
     return {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
 
 
-def tuning_candidates(sched: Schedule) -> list[dict]:
+def tuning_candidates(sched: Schedule, sm_count: int = 0) -> list[dict]:
     """Alternatives the GPU autotuner times (the default first)."""
     base = default_config(sched)
     cands = [base]
@@ -433,6 +444,12 @@ def tuning_candidates(sched: Schedule) -> list[dict]:
             for w in (4, 8, 16):
                 if br <= next_pow2(sched.rows) and br * base["BLOCK_C"] <= 32768:
                     cands.append({"BLOCK_R": br, "BLOCK_C": base["BLOCK_C"], "num_warps": w})
+                    blocks = -(-sched.rows // br)
+                    for per_sm in (1, 2, 4):
+                        programs = sm_count * per_sm
+                        if sched.persistent and sm_count and programs < blocks:
+                            cands.append({"BLOCK_R": br, "BLOCK_C": base["BLOCK_C"], "num_warps": w,
+                                          "ROW_PROGRAMS": programs, "STAGES": 2})
     unique = []
     for c in cands:
         if c not in unique:
