@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("cols", [1536, 4096, 1000, 20000])
+@pytest.mark.parametrize("cols", [1536, 1000, 20000])
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_on_gpu(name, cols, dtype):
     ex = EXAMPLES[name]

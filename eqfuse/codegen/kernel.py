@@ -323,9 +323,9 @@ class KernelWriter:
     def write(self, cfg: dict) -> str:
         s = self.s
         self.cfg_x_even = cfg.get("XBLOCK", 1)
-        self.rows_even = s.kind == "reduction" and s.rows % (cfg.get("BLOCK_R", 1) * cfg.get("ROW_PROGRAMS", 1)) == 0
+        self.rows_even = s.kind == "reduction" and s.rows % cfg.get("BLOCK_R", 1) == 0
         self.cols_even = s.kind == "reduction" and s.persistent and s.cols == cfg.get("BLOCK_C", 0)
-        head, loop_head = [], []
+        head = []
         pid = f"tl.program_id(0){self.index_dtype_cast}"
         if s.kind == "pointwise":
             head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
@@ -334,21 +334,13 @@ class KernelWriter:
             for root, buf in self.spec.roots:
                 self.store(root, buf, self.root_env(root))
         else:
+            head.append(f"rindex = {pid} * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
+            if not self.rows_even:
+                head.append("rmask = rindex < R")
             if s.persistent:
                 head.append("cindex = tl.arange(0, BLOCK_C)[None, :]")
                 if not self.cols_even:
                     head.append("cmask = cindex < C")
-            if cfg.get("ROW_PROGRAMS"):
-                # A persistent grid: each program walks row blocks, and Triton's pipeliner
-                # prefetches the next block's loads while this one computes.
-                iters = -(-(-(-s.rows // cfg["BLOCK_R"])) // cfg["ROW_PROGRAMS"])
-                head.append(f"for it in tl.range(0, {iters}, num_stages=STAGES):")
-                loop_head.append(f"rblock = {pid} + it * ROW_PROGRAMS")
-                loop_head.append("rindex = rblock * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
-            else:
-                loop_head.append(f"rindex = {pid} * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
-            if not self.rows_even:
-                loop_head.append("rmask = rindex < R")
             full_roots = [(r, b) for r, b in self.spec.roots if r.numel == s.rows * s.cols and s.cols != 1]
             row_roots = [(r, b) for r, b in self.spec.roots if (r, b) not in full_roots]
             for root, buf in row_roots:
@@ -368,11 +360,8 @@ class KernelWriter:
             params += ["xnumel: tl.constexpr", "XBLOCK: tl.constexpr"]
         else:
             params += ["R: tl.constexpr", "C: tl.constexpr", "BLOCK_R: tl.constexpr", "BLOCK_C: tl.constexpr"]
-            if cfg.get("ROW_PROGRAMS"):
-                params += ["ROW_PROGRAMS: tl.constexpr", "STAGES: tl.constexpr"]
         doc = ", ".join(self.spec.fx_nodes) or "(no FX node)"
-        indent = "    " if cfg.get("ROW_PROGRAMS") else ""
-        body = head + [indent + line for line in loop_head + self.lines]
+        body = head + self.lines
         out = ["@triton.jit", f"def {self.spec.name}({', '.join(params)}):",
                f'    """FX nodes: {doc}"""']
         out += ["    " + b for b in body]
@@ -431,7 +420,7 @@ def default_config(sched: Schedule) -> dict:
     return {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
 
 
-def tuning_candidates(sched: Schedule, sm_count: int = 0) -> list[dict]:
+def tuning_candidates(sched: Schedule) -> list[dict]:
     """Alternatives the GPU autotuner times (the default first)."""
     base = default_config(sched)
     cands = [base]
@@ -444,12 +433,6 @@ def tuning_candidates(sched: Schedule, sm_count: int = 0) -> list[dict]:
             for w in (4, 8, 16):
                 if br <= next_pow2(sched.rows) and br * base["BLOCK_C"] <= 32768:
                     cands.append({"BLOCK_R": br, "BLOCK_C": base["BLOCK_C"], "num_warps": w})
-                    blocks = -(-sched.rows // br)
-                    for per_sm in (1, 2, 4):
-                        programs = sm_count * per_sm
-                        if sched.persistent and sm_count and programs < blocks:
-                            cands.append({"BLOCK_R": br, "BLOCK_C": base["BLOCK_C"], "num_warps": w,
-                                          "ROW_PROGRAMS": programs, "STAGES": 2})
     unique = []
     for c in cands:
         if c not in unique:

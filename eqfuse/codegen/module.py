@@ -48,7 +48,7 @@ def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> Ker
         grid = (-(-sched.numel // cfg["XBLOCK"]),)
     else:
         constexprs = {"R": sched.rows, "C": sched.cols, **cfg}
-        grid = (cfg.get("ROW_PROGRAMS") or -(-sched.rows // cfg["BLOCK_R"]),)
+        grid = (-(-sched.rows // cfg["BLOCK_R"]),)
     return KernelInfo(spec.name, text, list(spec.fx_nodes), constexprs, grid, warps, sched, params, spec)
 
 

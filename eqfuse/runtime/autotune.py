@@ -37,7 +37,6 @@ def autotune(plan, infos, title, version, example_inputs, constants) -> dict:
     import triton.testing
 
     device = torch.cuda.get_device_name()
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     store = _load_store()
     chosen: dict = {}
     pending = []
@@ -58,7 +57,7 @@ def autotune(plan, infos, title, version, example_inputs, constants) -> dict:
                 if ops.is_float(b.dtype) else torch.zeros(b.shape, dtype=ops.DTYPES[b.dtype], device="cuda")
     for info, key in pending:
         best, best_t = None, float("inf")
-        for cfg in kgen.tuning_candidates(info.schedule, sm_count):
+        for cfg in kgen.tuning_candidates(info.schedule):
             trial = dict(chosen)
             trial[info.name] = cfg
             src, trial_infos = generate_module(plan, title, version, trial)
