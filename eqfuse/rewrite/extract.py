@@ -66,6 +66,7 @@ class Extractor:
                 elif n.op == "Input":
                     self.tensor_node[cid] = n
         self.types = self._infer_types()
+        self._buffer_names: dict[str, str] = {}
         self.best = self._inline_choices()
 
     # --- 1. types ------------------------------------------------------------------------------
@@ -247,7 +248,11 @@ class Extractor:
                       "materialised": len(M), "kernels": len(plan.kernels)}
 
     def buffer_name(self, c) -> str:
-        return f"buf_{c.rsplit('-', 1)[-1]}"
+        """A readable, unique name: after the FX node the buffer holds, where there is one."""
+        if c not in self._buffer_names:
+            names = self.fx_names(c)
+            self._buffer_names[c] = f"buf_{names[0]}" if names else f"buf_{c.rsplit('-', 1)[-1]}"
+        return self._buffer_names[c]
 
     def _evaluate(self, order, M, host, memo):
         buffers = self._buffers(M)

@@ -162,13 +162,17 @@ def _fusion_ruleset():
 def _views_ruleset():
     from egglog import Vec, eq, i64, rule, ruleset, union, var
 
-    from ..schema.terms import Reshape, Value
+    from ..schema.terms import Broadcast, Reshape, Value, vshape
 
     x, root = var("x", Value), var("root", Value)
     s1, s2 = var("s1", Vec[i64]), var("s2", Vec[i64])
     return ruleset(
         rule(eq(root).to(Reshape(Reshape(x, s1), s2)), name="reshape-reshape")
         .then(union(root).with_(Reshape(x, s2))),
+        rule(eq(root).to(Reshape(x, s1)), eq(vshape(x)).to(s1), name="reshape-same-shape")
+        .then(union(root).with_(x)),
+        rule(eq(root).to(Broadcast(x, s1)), eq(vshape(x)).to(s1), name="broadcast-same-shape")
+        .then(union(root).with_(x)),
         name="views",
     )
 
@@ -211,4 +215,6 @@ def catalogue() -> list[tuple[str, str, str]]:
     rows.append(("algebra", "cast-noop", "cast(x:d, d)  ->  x"))
     rows.append(("fusion", "fuse-load-kernel", "Load(Kernel(u))  ->  u"))
     rows.append(("views", "reshape-reshape", "reshape(reshape(x, s1), s2)  ->  reshape(x, s2)"))
+    rows.append(("views", "reshape-same-shape", "reshape(x:s, s)  ->  x"))
+    rows.append(("views", "broadcast-same-shape", "broadcast(x:s, s)  ->  x"))
     return rows

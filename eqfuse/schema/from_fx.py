@@ -111,15 +111,17 @@ class Translator:
         self.inputs: list = []
 
     # --- term construction -------------------------------------------------------------------
-    def mk(self, term, dtype: str):
+    def mk(self, term, dtype: str, shape):
+        """Record the dtype and shape analyses of a new term."""
         from egglog import String, set_
         self.facts.append(set_(self.t.vdtype(term)).to(String(dtype)))
+        self.facts.append(set_(self.t.vshape(term)).to(self.t.ivec(shape)))
         return term
 
     def const(self, value, dtype: str):
         if isinstance(value, bool):
             value = float(value)
-        return self.mk(self.t.const(value, dtype), dtype)
+        return self.mk(self.t.const(value, dtype), dtype, ())
 
     def value(self, entry):
         """The Value term of an entry."""
@@ -128,20 +130,20 @@ class Translator:
         if isinstance(entry, BufferView):
             t = self.t
             return self.mk(t.LoadStrided(t.Input(entry.buf, entry.dtype), t.ivec(entry.shape),
-                                         t.ivec(entry.strides), entry.offset), entry.dtype)
+                                         t.ivec(entry.strides), entry.offset), entry.dtype, entry.shape)
         raise TypeError(entry)
 
-    def cast(self, term, src: str, dst: str):
-        return term if src == dst else self.mk(self.t.Cast(term, dst), dst)
+    def cast(self, term, src: str, dst: str, shape):
+        return term if src == dst else self.mk(self.t.Cast(term, dst), dst, shape)
 
     def operand(self, arg, shape, dtype: str):
         """An op's argument as a Value of ``dtype``, broadcast to ``shape``."""
         if isinstance(arg, (int, float, bool)):
             return self.const(arg, dtype)
         if isinstance(arg, (BufferView, Computed)):
-            v = self.cast(self.value(arg), arg.dtype, dtype)
+            v = self.cast(self.value(arg), arg.dtype, dtype, arg.shape)
             if tuple(arg.shape) != tuple(shape):
-                v = self.mk(self.t.Broadcast(v, self.t.ivec(shape)), dtype)
+                v = self.mk(self.t.Broadcast(v, self.t.ivec(shape)), dtype, shape)
             return v
         raise Unsupported(f"argument of type {type(arg).__name__}")
 
@@ -197,7 +199,7 @@ class Translator:
             # Materialise as its own kernel; consumers read it through Load(Kernel(v)).
             self.egraph.let(f"n_{node.name}", entry.term)
             t = self.t
-            loaded = self.mk(t.Load(t.Kernel(entry.term)), entry.dtype)
+            loaded = self.mk(t.Load(t.Kernel(entry.term)), entry.dtype, entry.shape)
             entry = Computed(loaded, entry.shape, entry.dtype)
         self.env[node] = entry
 
@@ -324,11 +326,11 @@ def _unary(tr, node, x, *rest, **kw):
     shape, dt = _out(node)
     if op == "not":
         v = tr.operand(x, shape, x.dtype)
-        return Computed(tr.mk(tr.t.Unary("not", v), "bool"), shape, "bool")
+        return Computed(tr.mk(tr.t.Unary("not", v), "bool", shape), shape, "bool")
     if not ops.is_float(dt) and op not in ("neg", "abs", "relu"):
         raise Unsupported(f"{op} on {dt}")
     v = tr.operand(x, shape, dt)
-    return Computed(tr.mk(tr.t.Unary(op, v), dt), shape, dt)
+    return Computed(tr.mk(tr.t.Unary(op, v), dt, shape), shape, dt)
 
 
 handles(*UNARY_TARGETS)(_unary)
@@ -339,7 +341,7 @@ def _bitwise_not(tr, node, x):
     if x.dtype != "bool":
         raise Unsupported("bitwise_not on integers")
     shape, _ = _out(node)
-    return Computed(tr.mk(tr.t.Unary("not", tr.operand(x, shape, "bool")), "bool"), shape, "bool")
+    return Computed(tr.mk(tr.t.Unary("not", tr.operand(x, shape, "bool")), "bool", shape), shape, "bool")
 
 
 BINARY_TARGETS = {
@@ -372,8 +374,8 @@ def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
             raise Unsupported("integer division")
     va, vb = tr.operand(a, shape, compute), tr.operand(b, shape, compute)
     if alpha is not None and alpha != 1:
-        vb = tr.mk(tr.t.Binary("mul", vb, tr.const(alpha, compute)), compute)
-    return Computed(tr.mk(tr.t.Binary(op, va, vb), dt), shape, dt)
+        vb = tr.mk(tr.t.Binary("mul", vb, tr.const(alpha, compute)), compute, shape)
+    return Computed(tr.mk(tr.t.Binary(op, va, vb), dt, shape), shape, dt)
 
 
 handles(*BINARY_TARGETS)(_binary)
@@ -383,7 +385,8 @@ handles(*BINARY_TARGETS)(_binary)
 def _where(tr, node, c, a, b):
     shape, dt = _out(node)
     vc = tr.operand(c, shape, "bool")
-    return Computed(tr.mk(tr.t.Where(vc, tr.operand(a, shape, dt), tr.operand(b, shape, dt)), dt), shape, dt)
+    return Computed(tr.mk(tr.t.Where(vc, tr.operand(a, shape, dt), tr.operand(b, shape, dt)), dt, shape),
+                    shape, dt)
 
 
 @handles(aten.clamp, aten.clamp_min, aten.clamp_max)
@@ -393,9 +396,9 @@ def _clamp(tr, node, x, lo=None, hi=None, **kw):
         lo, hi = None, lo
     v = tr.operand(x, shape, dt)
     if lo is not None:
-        v = tr.mk(tr.t.Binary("maximum", v, tr.operand(lo, shape, dt)), dt)
+        v = tr.mk(tr.t.Binary("maximum", v, tr.operand(lo, shape, dt)), dt, shape)
     if hi is not None:
-        v = tr.mk(tr.t.Binary("minimum", v, tr.operand(hi, shape, dt)), dt)
+        v = tr.mk(tr.t.Binary("minimum", v, tr.operand(hi, shape, dt)), dt, shape)
     return Computed(v, shape, dt)
 
 
@@ -405,7 +408,7 @@ def _to_copy(tr, node, x, *args, **kw):
     m = _meta(node)
     if isinstance(x, (BufferView, Computed)) and str(m.device) != str(_meta(node.args[0]).device):
         raise Unsupported("a copy between devices")
-    return Computed(tr.cast(tr.value(x), x.dtype, dt), shape, dt)
+    return Computed(tr.cast(tr.value(x), x.dtype, dt, shape), shape, dt)
 
 
 @handles(aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.contiguous)
@@ -422,7 +425,7 @@ def _full(tr, node, *args, **kw):
              aten.ones_like: lambda: 1}[pk]()
     v = tr.const(value, dt)
     if shape:
-        v = tr.mk(tr.t.Broadcast(v, tr.t.ivec(shape)), dt)
+        v = tr.mk(tr.t.Broadcast(v, tr.t.ivec(shape)), dt, shape)
     return Computed(v, shape, dt)
 
 
@@ -435,12 +438,12 @@ def _arange(tr, node, *args, **kw):
         start = nums[0]
     if len(nums) >= 3:
         step = nums[2]
-    v = tr.mk(tr.t.Iota(tr.t.ivec(shape), 0), "int64")
-    v = tr.cast(v, "int64", dt)
+    v = tr.mk(tr.t.Iota(tr.t.ivec(shape), 0), "int64", shape)
+    v = tr.cast(v, "int64", dt, shape)
     if step != 1:
-        v = tr.mk(tr.t.Binary("mul", v, tr.const(step, dt)), dt)
+        v = tr.mk(tr.t.Binary("mul", v, tr.const(step, dt)), dt, shape)
     if start != 0:
-        v = tr.mk(tr.t.Binary("add", v, tr.const(start, dt)), dt)
+        v = tr.mk(tr.t.Binary("add", v, tr.const(start, dt)), dt, shape)
     return Computed(v, shape, dt)
 
 
@@ -452,28 +455,26 @@ def _reduce(tr, x, dims, keepdim: bool, op: str, out_dtype: str, out_shape):
     shape = tuple(x.shape)
     rank = len(shape)
     dims = sorted({d % rank for d in dims}) if rank and dims else list(range(rank))
-    v = tr.cast(tr.value(x), x.dtype, out_dtype)
+    v = tr.cast(tr.value(x), x.dtype, out_dtype, shape)
     if rank == 0:
-        v = tr.mk(t.Reshape(v, t.ivec((1, 1))), out_dtype)
+        v = tr.mk(t.Reshape(v, t.ivec((1, 1))), out_dtype, (1, 1))
         kept, red = [], [1]
     else:
         kept = [d for d in range(rank) if d not in dims]
         perm = kept + dims
         if perm != list(range(rank)):
-            v = tr.mk(t.Permute(v, t.ivec(perm)), out_dtype)
+            v = tr.mk(t.Permute(v, t.ivec(perm)), out_dtype, tuple(shape[d] for d in perm))
         red_n = math.prod(shape[d] for d in dims)
         flat = tuple(shape[d] for d in kept) + (red_n,)
         if not kept:
             flat = (1, red_n)
         if flat != tuple(shape[d] for d in perm):
-            v = tr.mk(t.Reshape(v, t.ivec(flat)), out_dtype)
+            v = tr.mk(t.Reshape(v, t.ivec(flat)), out_dtype, flat)
         red = [red_n]
-    r = tr.mk(t.Reduce(op, v), out_dtype)
     reduced_shape = tuple(shape[d] for d in kept) + (1,) if kept else (1, 1)
-    if op == "mean":
-        raise AssertionError("mean is sum / n")
+    r = tr.mk(t.Reduce(op, v), out_dtype, reduced_shape)
     if tuple(out_shape) != reduced_shape:
-        r = tr.mk(t.Reshape(r, t.ivec(out_shape)), out_dtype)
+        r = tr.mk(t.Reshape(r, t.ivec(out_shape)), out_dtype, out_shape)
     return Computed(r, tuple(out_shape), out_dtype), red[0]
 
 
@@ -507,7 +508,7 @@ def _mean(tr, node, x, dims=None, keepdim=False, dtype=None):
         raise Unsupported("mean of integers")
     dims, keepdim = _reduce_args(node, x, dims, keepdim)
     s, n = _reduce(tr, x, dims, keepdim, "sum", dt, shape)
-    return Computed(tr.mk(tr.t.Binary("div", s.term, tr.const(n, dt)), dt), shape, dt)
+    return Computed(tr.mk(tr.t.Binary("div", s.term, tr.const(n, dt)), dt, shape), shape, dt)
 
 
 @handles(prims.var)
@@ -518,12 +519,12 @@ def _var(tr, node, x, dims, correction=0.0, **kw):
     rank = len(x.shape)
     keep_shape = tuple(1 if (d in [e % rank for e in dims]) else s for d, s in enumerate(x.shape))
     s, n = _reduce(tr, x, dims, True, "sum", dt, keep_shape)
-    mean = tr.mk(t.Binary("div", s.term, tr.const(n, dt)), dt)
-    xv = tr.cast(tr.value(x), x.dtype, dt)
-    dev = tr.mk(t.Binary("sub", xv, tr.mk(t.Broadcast(mean, t.ivec(x.shape)), dt)), dt)
-    sq = tr.mk(t.Binary("mul", dev, dev), dt)
+    mean = tr.mk(t.Binary("div", s.term, tr.const(n, dt)), dt, keep_shape)
+    xv = tr.cast(tr.value(x), x.dtype, dt, x.shape)
+    dev = tr.mk(t.Binary("sub", xv, tr.mk(t.Broadcast(mean, t.ivec(x.shape)), dt, x.shape)), dt, x.shape)
+    sq = tr.mk(t.Binary("mul", dev, dev), dt, x.shape)
     ss, _ = _reduce(tr, Computed(sq, tuple(x.shape), dt), dims, False, "sum", dt, shape)
-    return Computed(tr.mk(t.Binary("div", ss.term, tr.const(max(n - correction, 0), dt)), dt), shape, dt)
+    return Computed(tr.mk(t.Binary("div", ss.term, tr.const(max(n - correction, 0), dt)), dt, shape), shape, dt)
 
 
 # --- views -----------------------------------------------------------------------------------
@@ -537,7 +538,7 @@ def _view(tr, node, x, make_term):
         offset = x.offset + (m.storage_offset() - base.storage_offset())
         return BufferView(x.buf, shape, tuple(m.stride()), offset, dt, True)
     v = tr.value(x)
-    return Computed(tr.mk(make_term(v, shape), dt), shape, dt)
+    return Computed(tr.mk(make_term(v, shape), dt, shape), shape, dt)
 
 
 def _reshape_term(tr):
@@ -564,9 +565,9 @@ def _broadcast_in_dim(tr, node, x, shape, bdims):
     t = tr.t
     v = tr.value(x)
     if tuple(inter) != tuple(x.shape):
-        v = tr.mk(t.Reshape(v, t.ivec(inter)), x.dtype)
+        v = tr.mk(t.Reshape(v, t.ivec(inter)), x.dtype, tuple(inter))
     if tuple(inter) != tuple(shape):
-        v = tr.mk(t.Broadcast(v, t.ivec(shape)), x.dtype)
+        v = tr.mk(t.Broadcast(v, t.ivec(shape)), x.dtype, tuple(shape))
     return Computed(v, tuple(shape), x.dtype)
 
 
@@ -608,7 +609,8 @@ def _select(tr, node, x, dim, index):
     t = tr.t
 
     def term(v, shape):
-        sliced = tr.mk(t.Slice(v, dim, index, 1, 1), x.dtype)
+        sliced_shape = tuple(1 if d == dim else s for d, s in enumerate(x.shape))
+        sliced = tr.mk(t.Slice(v, dim, index, 1, 1), x.dtype, sliced_shape)
         return t.Reshape(sliced, t.ivec(shape))
     return _view(tr, node, x, term)
 
@@ -621,9 +623,11 @@ def _cat(tr, node, tensors, dim=0):
     dim = dim % len(shape)
     if not parts:
         raise Unsupported("cat of nothing")
-    v = tr.cast(tr.value(parts[0]), parts[0].dtype, dt)
+    v = tr.cast(tr.value(parts[0]), parts[0].dtype, dt, parts[0].shape)
+    sofar = list(parts[0].shape)
     for p in parts[1:]:
-        v = tr.mk(tr.t.Cat(v, tr.cast(tr.value(p), p.dtype, dt), dim), dt)
+        sofar[dim] += p.shape[dim]
+        v = tr.mk(tr.t.Cat(v, tr.cast(tr.value(p), p.dtype, dt, p.shape), dim), dt, tuple(sofar))
     return Computed(v, shape, dt)
 
 
@@ -642,7 +646,7 @@ def _split(tr, node, x, sizes, dim=0):
             offset = x.offset + start * x.strides[dim]
             out.append(BufferView(x.buf, tuple(sub_shape), x.strides, offset, x.dtype, True))
         else:
-            out.append(Computed(tr.mk(t.Slice(tr.value(x), dim, start, 1, size), x.dtype),
+            out.append(Computed(tr.mk(t.Slice(tr.value(x), dim, start, 1, size), x.dtype, tuple(sub_shape)),
                                 tuple(sub_shape), x.dtype))
         start += size
     return out

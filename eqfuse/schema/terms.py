@@ -120,6 +120,11 @@ def vdtype(x: Value) -> String:
     """Dtype analysis: set by the translator on every value it creates."""
 
 
+@function
+def vshape(x: Value) -> IntVec:
+    """Shape analysis: set by the translator on every value it creates."""
+
+
 # --- helpers for building terms -----------------------------------------------------------
 
 def float_bits(x: float) -> int:
