@@ -24,7 +24,8 @@ def compile(fn, example_inputs, **options) -> CompiledGraph:  # noqa: A001 - the
     """Compile ``fn`` (a function or nn.Module) for ``example_inputs``.
 
     Options: ``max_enodes``, ``max_seconds`` (saturation limits), ``rules`` (rulesets to
-    run), ``autotune`` (time block-size candidates on the GPU).
+    run), ``autotune`` (time block-size candidates on the GPU), ``validate`` (check the
+    extracted plan against the graph on the example inputs; on by default).
     """
     return CompiledGraph(fn, example_inputs, Options.make(**options))
 

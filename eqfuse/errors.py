@@ -19,3 +19,7 @@ class Unschedulable(EqfuseError):
 
 class ExtractionError(EqfuseError):
     """No legal plan could be extracted from the e-graph."""
+
+    def __init__(self, message: str, retry: bool = False):
+        super().__init__(message)
+        self.retry = retry  # the e-graph itself looked inconsistent: building again may help

@@ -7,8 +7,9 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 
-CONSTRUCTORS = {"Input", "Kernel", "Load", "LoadStrided", "Const", "Iota", "Unary", "Binary", "Where",
-                "Cast", "Reduce", "Broadcast", "Reshape", "Permute", "Slice", "Cat"}
+CONSTRUCTORS = {"Input", "Kernel", "Load", "LoadStrided", "Const", "Iota", "Where", "Cast", "Broadcast",
+                "Reshape", "Permute", "Slice", "Cat"}
+OPERATOR_KINDS = ("Unary_", "Binary_", "Reduce_")  # Binary_add -> ENode("Binary", ("add", ...))
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,16 @@ class EGraphView:
             return v
 
         for nid, n in nodes.items():
-            if n["op"] not in CONSTRUCTORS:
+            op, args = n["op"], []
+            kind = next((k for k in OPERATOR_KINDS if op.startswith(k)), None)
+            if kind is not None:
+                op, args = kind[:-1], [op[len(kind):]]
+            elif op not in CONSTRUCTORS:
                 continue
-            args = []
             for c in n["children"]:
                 cclass = nodes[c]["eclass"]
                 args.append(cclass if self.is_term_class(cclass) else prim(c))
-            self.classes[n["eclass"]].append(ENode(n["op"], tuple(args), n["eclass"]))
+            self.classes[n["eclass"]].append(ENode(op, tuple(args), n["eclass"]))
 
     def is_term_class(self, cid: str) -> bool:
         t = self.class_type.get(cid, "")

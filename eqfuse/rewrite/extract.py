@@ -25,7 +25,7 @@ from ..codegen.kernel import generate, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
 from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode
-from ..schema.terms import bits_float
+from ..schema.terms import bits_float, buffer_name, dtype_name
 from .cost import DEFAULT_DEVICE, Device, kernel_time_us
 from .egraph_json import EGraphView, ENode
 
@@ -34,11 +34,18 @@ OP_COST = {"Load": 1.0, "LoadStrided": 1.0, "Const": 0.01, "Iota": 0.1, "Where":
 
 
 def node_cost(n: ENode) -> float:
-    if n.op == "Unary":
-        return ops.UNARY[n.args[0]].cost
-    if n.op == "Binary":
-        return math.inf if n.args[0] == "pow" else ops.BINARY[n.args[0]].cost
+    table = {"Unary": ops.UNARY, "Binary": ops.BINARY}.get(n.op)
+    if table is not None:
+        if n.args[0] not in table:
+            raise ExtractionError(f"the e-graph holds an unknown {n.op.lower()} op {n.args[0]!r}", retry=True)
+        return math.inf if n.args[0] == "pow" else table[n.args[0]].cost
     return OP_COST.get(n.op, 1.0)
+
+
+def _dtype(code) -> str:
+    if not isinstance(code, int) or not 0 <= code < len(ops.DTYPES):
+        raise ExtractionError(f"the e-graph holds an unknown dtype code {code!r}", retry=True)
+    return dtype_name(code)
 
 
 def _broadcast_shapes(*shapes):
@@ -78,12 +85,12 @@ class Extractor:
         op = n.op
         if op == "LoadStrided":
             inp = self.tensor_node.get(a[0])
-            return (tuple(a[1]), inp.args[1]) if inp is not None and inp.op == "Input" else None
+            return (tuple(a[1]), _dtype(inp.args[1])) if inp is not None and inp.op == "Input" else None
         if op == "Load":
             k = self.tensor_node.get(a[0])
             return t(k.args[0]) if k is not None and k.op == "Kernel" else None
         if op == "Const":
-            return ((), a[1])
+            return ((), _dtype(a[1]))
         if op == "Iota":
             return (tuple(a[0]), "int64")
         if op == "Unary":
@@ -97,7 +104,7 @@ class Extractor:
             return c and x and y and (_broadcast_shapes(c[0], x[0], y[0]), x[1])
         if op == "Cast":
             x = t(a[0])
-            return x and (x[0], a[1])
+            return x and (x[0], _dtype(a[1]))
         if op == "Reduce":
             x = t(a[1])
             return x and (x[0][:-1] + (1,), x[1])
@@ -323,7 +330,8 @@ class Extractor:
             inline.append(c)
             a = n.args
             if n.op == "LoadStrided":
-                p = PNode("load", (self.tensor_node[a[0]].args[0], tuple(a[2]), a[3]), (), shape, dtype, c)
+                name = buffer_name(self.tensor_node[a[0]].args[0])
+                p = PNode("load", (name, tuple(a[2]), a[3]), (), shape, dtype, c)
             elif n.op == "Load":
                 d = self.tensor_node[a[0]].args[0]
                 loads.add(d)
@@ -339,7 +347,7 @@ class Extractor:
             elif n.op == "Where":
                 p = PNode("where", (), tuple(build(x) for x in a), shape, dtype, c)
             elif n.op == "Cast":
-                p = PNode("cast", (a[1],), (build(a[0]),), shape, dtype, c)
+                p = PNode("cast", (dtype,), (build(a[0]),), shape, dtype, c)
             elif n.op in ("Broadcast", "Reshape"):
                 p = PNode(n.op.lower(), (), (build(a[0]),), shape, dtype, c)
             elif n.op == "Permute":

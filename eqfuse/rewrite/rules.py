@@ -103,8 +103,8 @@ class EgglogBuilder:
     """Builds a rule's sides as egglog patterns; constants match any dtype."""
 
     def __init__(self):
-        from egglog import String, var
-        self._var, self._string = var, String
+        from egglog import i64, var
+        self._var, self._i64 = var, i64
         self._n = 0
 
     def unary(self, op, x):
@@ -122,13 +122,13 @@ class EgglogBuilder:
     def const(self, value):
         from ..schema.terms import Const, float_bits
         self._n += 1
-        return Const(float_bits(value), self._var(f"cdt{self._n}", self._string))
+        return Const(float_bits(value), self._var(f"cdt{self._n}", self._i64))
 
 
 def _algebra_ruleset():
-    from egglog import String, eq, rule, ruleset, union, var
+    from egglog import eq, i64, rule, ruleset, union, var
 
-    from ..schema.terms import Cast, Value, vdtype
+    from ..schema.terms import Cast, Value, dtype_code, vdtype
 
     rules = []
     for r in ALGEBRA:
@@ -138,9 +138,10 @@ def _algebra_ruleset():
         root = var("root", Value)
         rules.append(rule(eq(root).to(lhs), name=r.name).then(union(root).with_(rhs)))
 
-    x, root, d = var("x", Value), var("root", Value), var("d", String)
+    x, root, d = var("x", Value), var("root", Value), var("d", i64)
     for narrow, wide in CAST_ROUNDTRIPS:
-        rules.append(rule(eq(root).to(Cast(Cast(x, wide), narrow)), eq(vdtype(x)).to(String(narrow)),
+        n, w = dtype_code(narrow), dtype_code(wide)
+        rules.append(rule(eq(root).to(Cast(Cast(x, w), n)), eq(vdtype(x)).to(i64(n)),
                           name=f"cast-{narrow}-{wide}-{narrow}").then(union(root).with_(x)))
     rules.append(rule(eq(root).to(Cast(x, d)), eq(vdtype(x)).to(d), name="cast-noop")
                  .then(union(root).with_(x)))
@@ -177,15 +178,12 @@ def _views_ruleset():
     )
 
 
-_RULESETS = None
-
-
 def rulesets():
-    """The rulesets, built once (building them imports egglog)."""
-    global _RULESETS
-    if _RULESETS is None:
-        _RULESETS = {"algebra": _algebra_ruleset(), "fusion": _fusion_ruleset(), "views": _views_ruleset()}
-    return _RULESETS
+    """The rulesets, built anew for each e-graph.
+
+    Cheap to build, and a ruleset object is then never shared between e-graphs.
+    """
+    return {"algebra": _algebra_ruleset(), "fusion": _fusion_ruleset(), "views": _views_ruleset()}
 
 
 def catalogue() -> list[tuple[str, str, str]]:

@@ -30,6 +30,7 @@ class Options:
     max_seconds: float = 10.0
     rules: tuple = ("algebra", "views", "fusion")
     autotune: bool = True
+    validate: bool = True  # check the extracted plan against the graph on the example inputs
 
     @classmethod
     def make(cls, **kw):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -113,8 +114,8 @@ class Translator:
     # --- term construction -------------------------------------------------------------------
     def mk(self, term, dtype: str, shape):
         """Record the dtype and shape analyses of a new term."""
-        from egglog import String, set_
-        self.facts.append(set_(self.t.vdtype(term)).to(String(dtype)))
+        from egglog import i64, set_
+        self.facts.append(set_(self.t.vdtype(term)).to(i64(self.t.dtype_code(dtype))))
         self.facts.append(set_(self.t.vshape(term)).to(self.t.ivec(shape)))
         return term
 
@@ -129,12 +130,13 @@ class Translator:
             return entry.term
         if isinstance(entry, BufferView):
             t = self.t
-            return self.mk(t.LoadStrided(t.Input(entry.buf, entry.dtype), t.ivec(entry.shape),
+            buf = t.Input(t.buffer_code(entry.buf), t.dtype_code(entry.dtype))
+            return self.mk(t.LoadStrided(buf, t.ivec(entry.shape),
                                          t.ivec(entry.strides), entry.offset), entry.dtype, entry.shape)
         raise TypeError(entry)
 
     def cast(self, term, src: str, dst: str, shape):
-        return term if src == dst else self.mk(self.t.Cast(term, dst), dst, shape)
+        return term if src == dst else self.mk(self.t.Cast(term, self.t.dtype_code(dst)), dst, shape)
 
     def operand(self, arg, shape, dtype: str):
         """An op's argument as a Value of ``dtype``, broadcast to ``shape``."""
@@ -158,7 +160,7 @@ class Translator:
                 self._call(node)
             elif node.op == "output":
                 outputs = self._outputs(node)
-        if self.facts:
+        if self.facts and not os.environ.get("EQFUSE_NO_FACTS"):
             self.egraph.register(*self.facts)
         return Translation(self.egraph, self.inputs, outputs, self.fallbacks, self.roots)
 
@@ -317,7 +319,7 @@ UNARY_TARGETS = {
     aten.neg: "neg", aten.exp: "exp", aten.log: "log", aten.sqrt: "sqrt", aten.rsqrt: "rsqrt",
     aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.relu: "relu", aten.abs: "abs", aten.erf: "erf",
     aten.sin: "sin", aten.cos: "cos", aten.floor: "floor", aten.ceil: "ceil",
-    aten.reciprocal: "reciprocal", aten.logical_not: "not",
+    aten.reciprocal: "reciprocal", aten.logical_not: "not", aten.log1p: "log1p", aten.expm1: "expm1",
 }
 
 
@@ -411,8 +413,17 @@ def _to_copy(tr, node, x, *args, **kw):
     return Computed(tr.cast(tr.value(x), x.dtype, dt, shape), shape, dt)
 
 
-@handles(aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.contiguous)
+@handles(aten.alias, aten.detach)
 def _identity(tr, node, x, *args, **kw):
+    return x
+
+
+@handles(aten.clone, aten.lift_fresh_copy, aten.contiguous)
+def _copy(tr, node, x, *args, **kw):
+    """A copy has the values of ``x`` in a fresh, contiguous layout: views of it no
+    longer fold into the strides of ``x``'s buffer."""
+    if isinstance(x, BufferView):
+        return BufferView(x.buf, x.shape, x.strides, x.offset, x.dtype, foldable=False)
     return x
 
 

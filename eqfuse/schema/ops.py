@@ -42,6 +42,11 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("floor", torch.floor, "tl.floor({a})", 0.5),
     OpDef("ceil", torch.ceil, "tl.ceil({a})", 0.5),
     OpDef("reciprocal", torch.reciprocal, "(1.0 / {a})", 1),
+    # log(u) * x / (u - 1) with u = 1 + x corrects the rounding of 1 + x (Goldberg's trick).
+    OpDef("log1p", torch.log1p,
+          "tl.where({a} + 1.0 == 1.0, {a}, tl.log({a} + 1.0) * {a} / (({a} + 1.0) - 1.0))", 3),
+    OpDef("expm1", torch.expm1,
+          "tl.where(tl.abs({a}) < 1e-5, {a} + 0.5 * {a} * {a}, tl.exp({a}) - 1.0)", 3),
     OpDef("not", torch.logical_not, "({a} == 0)", 0.5),
 ]}
 

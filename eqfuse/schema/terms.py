@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 
-from egglog import Expr, String, StringLike, Vec, function, i64, i64Like
+from egglog import Expr, Vec, function, i64, i64Like
 
 
 class Tensor(Expr):
@@ -36,8 +36,9 @@ IntVec = Vec[i64]
 
 
 @function
-def Input(name: StringLike, dtype: StringLike) -> Tensor:  # noqa: N802 - egglog constructor
-    """A buffer the kernels read but do not compute: a graph input or an eager result."""
+def Input(buffer: i64Like, dtype: i64Like) -> Tensor:  # noqa: N802 - egglog constructor
+    """A buffer the kernels read but do not compute: a graph input or an eager result
+    (``buffer_code`` names it, ``dtype_code`` its dtype)."""
 
 
 @function
@@ -56,8 +57,8 @@ def LoadStrided(t: Tensor, shape: IntVec, strides: IntVec, offset: i64Like) -> V
 
 
 @function
-def Const(bits: i64Like, dtype: StringLike) -> Value:  # noqa: N802
-    """A scalar constant: the bits of its float64 value, and its dtype."""
+def Const(bits: i64Like, dtype: i64Like) -> Value:  # noqa: N802
+    """A scalar constant: the bits of its float64 value, and its dtype code."""
 
 
 @function
@@ -66,28 +67,13 @@ def Iota(shape: IntVec, axis: i64Like) -> Value:  # noqa: N802
 
 
 @function
-def Unary(op: StringLike, x: Value) -> Value:  # noqa: N802
-    ...
-
-
-@function
-def Binary(op: StringLike, a: Value, b: Value) -> Value:  # noqa: N802
-    ...
-
-
-@function
 def Where(cond: Value, a: Value, b: Value) -> Value:  # noqa: N802
     ...
 
 
 @function
-def Cast(x: Value, dtype: StringLike) -> Value:  # noqa: N802
+def Cast(x: Value, dtype: i64Like) -> Value:  # noqa: N802
     ...
-
-
-@function
-def Reduce(op: StringLike, x: Value) -> Value:  # noqa: N802
-    """Reduce over the last axis, keeping it with size 1 (``sum``, ``max``, ``min``)."""
 
 
 @function
@@ -116,13 +102,52 @@ def Cat(a: Value, b: Value, dim: i64Like) -> Value:  # noqa: N802
 
 
 @function
-def vdtype(x: Value) -> String:
-    """Dtype analysis: set by the translator on every value it creates."""
+def vdtype(x: Value) -> i64:
+    """Dtype analysis (a dtype code): set by the translator on every value it creates."""
 
 
 @function
 def vshape(x: Value) -> IntVec:
     """Shape analysis: set by the translator on every value it creates."""
+
+
+# --- operators: one constructor each ------------------------------------------------------
+# An operator is part of the constructor's name (``Binary_add``), not a string argument, and
+# dtypes and buffers are small integer codes: egglog 13.2 was seen to hand back e-nodes
+# whose string argument belonged to another term (``Binary("float32", ...)``), now and
+# then, in long sessions. The schema has no strings at all.
+
+def _declare(kind: str, names, params: str) -> dict:
+    table = {}
+    for name in names:
+        ns = {"Value": Value}
+        exec(f"def {kind}_{name}({params}) -> Value: ...", ns)  # noqa: S102 - a fixed template
+        fn = ns[f"{kind}_{name}"]
+        fn.__module__ = __name__
+        table[name] = function(fn)
+    return table
+
+
+def _op_names():
+    from .ops import BINARY, REDUCE, UNARY
+    return UNARY, BINARY, REDUCE
+
+
+_UNARY, _BINARY, _REDUCE = (_declare(kind, names, params) for kind, names, params in zip(
+    ("Unary", "Binary", "Reduce"), _op_names(), ("x: Value", "a: Value, b: Value", "x: Value")))
+
+
+def Unary(op: str, x: Value) -> Value:  # noqa: N802 - reads like the other constructors
+    return _UNARY[op](x)
+
+
+def Binary(op: str, a: Value, b: Value) -> Value:  # noqa: N802
+    return _BINARY[op](a, b)
+
+
+def Reduce(op: str, x: Value) -> Value:  # noqa: N802
+    """Reduce over the last axis, keeping it with size 1 (``sum``, ``max``, ``min``)."""
+    return _REDUCE[op](x)
 
 
 # --- helpers for building terms -----------------------------------------------------------
@@ -144,4 +169,32 @@ def ivec(values) -> Vec[i64]:
 
 
 def const(value, dtype: str) -> Value:
-    return Const(float_bits(float(value)), dtype)
+    return Const(float_bits(float(value)), dtype_code(dtype))
+
+
+def dtype_code(dtype: str) -> int:
+    from .ops import DTYPES
+    return list(DTYPES).index(dtype)
+
+
+def dtype_name(code: int) -> str:
+    from .ops import DTYPES
+    return list(DTYPES)[code]
+
+
+_EXT = 1 << 20
+
+
+def buffer_code(name: str) -> int:
+    """``in<k>`` -> k; ``ext<j>_<k>`` (output k of eager node j) -> 2^20 + j * 2^10 + k."""
+    if name.startswith("in"):
+        return int(name[2:])
+    j, k = name[3:].split("_")
+    return _EXT + (int(j) << 10) + int(k)
+
+
+def buffer_name(code: int) -> str:
+    if code < _EXT:
+        return f"in{code}"
+    code -= _EXT
+    return f"ext{code >> 10}_{code & 1023}"

@@ -1,0 +1,74 @@
+"""The runtime: cache behaviour, report, explain, cost model."""
+
+import multiprocessing
+import os
+
+import torch
+
+import eqfuse
+from eqfuse.examples import EXAMPLES, residual_layernorm, rmsnorm
+from eqfuse.rewrite.cost import Device, kernel_bytes, kernel_time_us
+from eqfuse.runtime import cache
+
+
+def test_report_and_explain():
+    x, w = torch.randn(4, 8), torch.rand(8)
+    c = eqfuse.compile(rmsnorm, (x, w))
+    rep = c.report
+    sat = rep["saturation"]
+    assert sat["stop_reason"] == "saturated"
+    assert sat["iterations"] > 0 and sat["enodes"] > 0 and sat["eclasses"] > 0
+    assert sat["rules_fired"]["fuse-load-kernel"] > 0
+    assert rep["extraction"]["plan_cost_us"] < rep["extraction"]["unfused_cost_us"]
+    assert set(rep["seconds"]) >= {"capture", "translate", "saturate", "extract", "codegen", "load", "total"}
+    text = c.explain()
+    assert "1 kernel(s)" in text and "whole row in registers" in text and "pow_1" in text
+
+
+def test_generated_module_is_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
+    x, w = torch.randn(4, 8), torch.rand(8)
+    eqfuse.compile(rmsnorm, (x, w))
+    files = list(tmp_path.glob("eqfuse_*.py"))
+    assert len(files) == 1 and "@triton.jit" in files[0].read_text()
+
+
+def test_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
+    key, source = "corrupt_test", "X = 1\n"
+    (tmp_path / f"eqfuse_{key}.py").write_text("this is not python (")
+    module = cache.load_module(key, source, interpret=True)
+    assert module.X == 1
+
+
+def _write_many(args):
+    root, i = args
+    os.environ["EQFUSE_CACHE_DIR"] = root
+    for _ in range(50):
+        cache.write_atomic(cache.cache_dir() / "shared.py", f"VALUE = {i}\n" * 200)
+    return True
+
+
+def test_two_processes_writing_at_once_leave_a_whole_file(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        assert all(pool.map(_write_many, [(str(tmp_path), 1), (str(tmp_path), 2)]))
+    lines = (tmp_path / "shared.py").read_text().splitlines()
+    assert len(lines) == 200 and len(set(lines)) == 1
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_cost_model_counts_a_broadcast_read_once():
+    x, w = torch.randn(64, 256), torch.rand(256)
+    c = eqfuse.compile(rmsnorm, (x, w))
+    (k,) = c.kernels
+    # x read once, w read once (not per row), out written once: 4 bytes each
+    assert kernel_bytes(k.spec, c.plan.buffers) == (64 * 256 * 2 + 256) * 4
+    fast, slow = Device(bandwidth_bytes_per_us=1e6), Device(bandwidth_bytes_per_us=1e3)
+    assert kernel_time_us(k.spec, c.plan.buffers, slow) > kernel_time_us(k.spec, c.plan.buffers, fast)
+
+
+def test_multi_output_kernel_stores_the_residual():
+    inputs = EXAMPLES["residual_layernorm"].make_inputs(4, 32, torch.float32, "cpu")
+    c = eqfuse.compile(residual_layernorm, inputs)
+    (k,) = c.kernels
+    assert len(k.spec.roots) == 2 and k.source.count("tl.store(") == 2
