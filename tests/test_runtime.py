@@ -72,3 +72,17 @@ def test_multi_output_kernel_stores_the_residual():
     c = eqfuse.compile(residual_layernorm, inputs)
     (k,) = c.kernels
     assert len(k.spec.roots) == 2 and k.source.count("tl.store(") == 2
+
+
+def test_validation_rejects_a_plan_that_computes_something_else():
+    from eqfuse.rewrite.validate import mismatch
+    from eqfuse.runtime.compiled import make_fallback_runner
+    from eqfuse.frontend.capture import capture
+    x, w = torch.randn(4, 8), torch.rand(8)
+    c = eqfuse.compile(rmsnorm, (x, w))
+    captured = capture(rmsnorm, (x, w))
+    assert mismatch(c.plan, captured, make_fallback_runner) is None
+    (k,) = c.plan.kernels
+    node = next(n for n in k.walk() if n.op == "binary" and n.attrs == ("mul",))
+    node.attrs = ("add",)  # what a mixed-up e-node would do
+    assert mismatch(c.plan, captured, make_fallback_runner).startswith("output 0:")
