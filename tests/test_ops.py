@@ -19,6 +19,9 @@ CASES = {
                     + torch.expm1(x), 1),
     "rounding": (lambda x: torch.floor(x * 3) + torch.ceil(x * 3) + torch.reciprocal(x.abs() + 1), 1),
     "pow": (lambda x: x ** 2 + x.abs() ** 0.5 + x ** 3 + (x.abs() + 1) ** -0.5 + (x.abs() + 1) ** -1, 1),
+    "pow_general": (lambda x: torch.nan_to_num(x ** 1.7, nan=-7.0) + x ** 4 + x ** 5 + (x.abs() + 0.5) ** -2.5
+                    + x ** -3, 1),
+    "pow_zero": (lambda x: (x * 0) ** 1.5 + (x * 0) ** 0 + (x * 0) ** -1, 1),
     "max_min_clamp": (lambda x, y: torch.maximum(x, y) + torch.minimum(x, y) + x.clamp(-0.5, 0.5)
                       + x.clamp(min=0) + x.clamp(max=0), 2),
     "where_cmp": (lambda x, y: torch.where(x > y, x, y * 2) + (x >= 0).float() + (x == y).float()

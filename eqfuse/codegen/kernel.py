@@ -209,8 +209,25 @@ class KernelWriter:
         a, b = self.emit(node.args[0], env), self.emit(node.args[1], env)
         op = ops.BINARY[node.attrs[0]]
         if op.name == "pow":
-            raise Unschedulable("pow without a rewrite to primitives")
+            return self._emit_pow(node, a)
         return self.assign(op.triton.format(a=a.expr, b=b.expr), a.axes | b.axes)
+
+    def _emit_pow(self, node, a):
+        """x ** e for a constant e, as exp2(e * log2|x|), with the sign of x for odd integer e.
+        Zero and infinities come out as torch has them; a negative x with a fractional e
+        gives NaN, as in torch."""
+        exp = node.args[1]
+        if exp.op != "const":
+            raise Unschedulable("pow with a tensor exponent")
+        e = float(exp.attrs[0])
+        if e == 0:  # x ** 0 is 1, NaN and zero included
+            return self.assign(f"tl.where({a.expr} == {a.expr}, 1.0, 1.0)", a.axes)
+        if e.is_integer():
+            mag = self.assign(f"tl.exp2({e!r} * tl.log2(tl.abs({a.expr})))", a.axes)
+            if int(e) % 2 == 0:
+                return mag
+            return self.assign(f"tl.where({a.expr} < 0, -{mag.expr}, {mag.expr})", a.axes)
+        return self.assign(f"tl.exp2({e!r} * tl.log2({a.expr}))", a.axes)
 
     def _emit_where(self, node, env):
         c, a, b = (self.emit(x, env) for x in node.args)

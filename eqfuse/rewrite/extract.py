@@ -38,7 +38,7 @@ def node_cost(n: ENode) -> float:
     if table is not None:
         if n.args[0] not in table:
             raise ExtractionError(f"the e-graph holds an unknown {n.op.lower()} op {n.args[0]!r}", retry=True)
-        return math.inf if n.args[0] == "pow" else table[n.args[0]].cost
+        return table[n.args[0]].cost
     return OP_COST.get(n.op, 1.0)
 
 
@@ -95,7 +95,7 @@ class Extractor:
             return (tuple(a[0]), "int64")
         if op == "Unary":
             x = t(a[1])
-            return x and (x[0], "bool" if a[0] == "not" else x[1])
+            return x and (x[0], "bool" if a[0] in ops.BOOL_UNARY else x[1])
         if op == "Binary":
             x, y = t(a[1]), t(a[2])
             return x and y and (_broadcast_shapes(x[0], y[0]), "bool" if a[0] in ops.COMPARISONS else x[1])
@@ -234,14 +234,14 @@ class Extractor:
             for c in candidates:
                 trial_m = M - {c} if c in M else M | {c}
                 trial = evaluate(trial_m, host)
-                if not trial.invalid and trial.cost < state.cost - 1e-9:
+                if not trial.invalid and trial.acyclic and trial.cost < state.cost - 1e-9:
                     M, state, improved = trial_m, trial, True
             if not improved:
                 break
         # Multi-output: store a materialised value from a kernel that computes it anyway.
         for c in sorted(M, key=order.index):
             for p in state.loaders.get(c, []):
-                if p == c or p in host:
+                if p == c or p in host or c in host.values():  # one level: hosts are not hosted
                     continue
                 trial_host = dict(host)
                 trial_host[c] = p
@@ -267,7 +267,6 @@ class Extractor:
         hosted_by: dict[str, list[str]] = {}
         for c, p in host.items():
             hosted_by.setdefault(p, []).append(c)
-        graph = nx.DiGraph()
         for c in order:
             if c not in M or c in host:
                 continue
@@ -292,11 +291,14 @@ class Extractor:
             st.inline_sets[c] = inline
             for d in loads:
                 st.loaders.setdefault(d, []).append(c)
-                graph.add_edge(host.get(d, d), c)
-            graph.add_node(c)
+        graph = _dependency_graph(st.specs, self._fallback_steps())
         st.acyclic = nx.is_directed_acyclic_graph(graph)
-        st.graph = graph
         return st
+
+    def _fallback_steps(self) -> dict:
+        return {f"f{j}": FallbackStep(fb.node, fb.target, _map_refs(fb.args, self), _map_refs(fb.kwargs, self),
+                                      fb.reason, fb.outputs, fb.multi)
+                for j, fb in enumerate(self.tr.fallbacks)}
 
     def _buffers(self, M) -> dict:
         buffers = {}
@@ -332,10 +334,8 @@ class Extractor:
             if n.op == "LoadStrided":
                 name = buffer_name(self.tensor_node[a[0]].args[0])
                 p = PNode("load", (name, tuple(a[2]), a[3]), (), shape, dtype, c)
-            elif n.op == "Load":
-                d = self.tensor_node[a[0]].args[0]
-                loads.add(d)
-                p = PNode("load", (self.buffer_name(d), _contig(shape), 0), (), shape, dtype, c)
+            elif n.op == "Load":  # a kernel left unfused (saturation stopped early): d is materialised
+                p = build(self.tensor_node[a[0]].args[0])
             elif n.op == "Const":
                 p = PNode("const", (bits_float(a[0]),), (), shape, dtype, c)
             elif n.op == "Iota":
@@ -372,27 +372,9 @@ class Extractor:
     # --- 4. the plan ---------------------------------------------------------------------------
     def _assemble(self, state, M, host) -> Plan:
         buffers = self._buffers(M)
-        g = nx.DiGraph()
-        steps: dict[str, object] = {}
-        writer: dict[str, str] = {}
-        for i, (c, spec) in enumerate(state.specs.items()):
-            key = f"k{i}"
-            steps[key] = spec
-            g.add_node(key)
-            for _, b in spec.roots:
-                writer[b] = key
-        for j, fb in enumerate(self.tr.fallbacks):
-            key = f"f{j}"
-            args = _map_refs(fb.args, self)
-            kwargs = _map_refs(fb.kwargs, self)
-            steps[key] = FallbackStep(fb.node, fb.target, args, kwargs, fb.reason, fb.outputs, fb.multi)
-            g.add_node(key)
-            for name in fb.outputs:
-                writer[name] = key
-        for key, step in steps.items():
-            for b in _reads(step):
-                if b in writer and writer[b] != key:
-                    g.add_edge(writer[b], key)
+        kernels = {f"k{i}": spec for i, spec in enumerate(state.specs.values())}
+        steps = {**kernels, **self._fallback_steps()}
+        g = _dependency_graph(kernels, self._fallback_steps())
         if not nx.is_directed_acyclic_graph(g):
             raise ExtractionError("the plan has a cycle")
         seq = list(nx.lexicographical_topological_sort(g, key=lambda k: (k[0] != "f", int(k[1:]))))
@@ -416,6 +398,26 @@ class Extractor:
         return Plan(inputs, buffers, ordered, outputs)
 
 
+def _dependency_graph(kernels: dict, fallbacks: dict) -> nx.DiGraph:
+    """Steps (kernels and eager fallbacks, by key) with an edge from each buffer's writer
+    to each of its readers."""
+    g = nx.DiGraph()
+    writer: dict[str, str] = {}
+    for key, spec in kernels.items():
+        g.add_node(key)
+        for _, b in spec.roots:
+            writer[b] = key
+    for key, step in fallbacks.items():
+        g.add_node(key)
+        for name in step.outputs:
+            writer[name] = key
+    for key, step in {**kernels, **fallbacks}.items():
+        for b in _reads(step):
+            if b in writer and writer[b] != key:
+                g.add_edge(writer[b], key)
+    return g
+
+
 @dataclass
 class _State:
     cost: float = 0.0
@@ -423,7 +425,6 @@ class _State:
 
     def __post_init__(self):
         self.invalid, self.reasons, self.specs, self.inline_sets, self.loaders = [], {}, {}, {}, {}
-        self.graph = None
 
 
 def _contig(shape):

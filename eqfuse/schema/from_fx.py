@@ -320,15 +320,16 @@ UNARY_TARGETS = {
     aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.relu: "relu", aten.abs: "abs", aten.erf: "erf",
     aten.sin: "sin", aten.cos: "cos", aten.floor: "floor", aten.ceil: "ceil",
     aten.reciprocal: "reciprocal", aten.logical_not: "not", aten.log1p: "log1p", aten.expm1: "expm1",
+    aten.isnan: "isnan", aten.isinf: "isinf",
 }
 
 
 def _unary(tr, node, x, *rest, **kw):
     op = UNARY_TARGETS[node.target.overloadpacket]
     shape, dt = _out(node)
-    if op == "not":
+    if op in ops.BOOL_UNARY:
         v = tr.operand(x, shape, x.dtype)
-        return Computed(tr.mk(tr.t.Unary("not", v), "bool", shape), shape, "bool")
+        return Computed(tr.mk(tr.t.Unary(op, v), "bool", shape), shape, "bool")
     if not ops.is_float(dt) and op not in ("neg", "abs", "relu"):
         raise Unsupported(f"{op} on {dt}")
     v = tr.operand(x, shape, dt)
@@ -353,7 +354,6 @@ BINARY_TARGETS = {
     aten.logical_xor: "xor", aten.bitwise_and: "and", aten.bitwise_or: "or", aten.bitwise_xor: "xor",
     prims.div: "div", aten.pow: "pow",
 }
-POW_EXPONENTS = {0.5, -0.5, 1.0, 2.0, 3.0, -1.0}
 
 
 def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
@@ -361,9 +361,8 @@ def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
     shape, dt = _out(node)
     if rounding_mode is not None:
         raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
-    if op == "pow":
-        if not isinstance(b, (int, float)) or float(b) not in POW_EXPONENTS:
-            raise Unsupported("pow is supported with a scalar exponent in {±0.5, 1, 2, 3, -1}")
+    if op == "pow" and not (isinstance(b, (int, float)) and ops.is_float(dt)):
+        raise Unsupported("pow is supported on floats with a scalar exponent")
     if op in ("and", "or", "xor") and dt != "bool":
         raise Unsupported(f"bitwise {op} on integers")
     if op in ops.COMPARISONS:

@@ -48,6 +48,8 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("expm1", torch.expm1,
           "tl.where(tl.abs({a}) < 1e-5, {a} + 0.5 * {a} * {a}, tl.exp({a}) - 1.0)", 3),
     OpDef("not", torch.logical_not, "({a} == 0)", 0.5),
+    OpDef("isnan", torch.isnan, "({a} != {a})", 0.5),
+    OpDef("isinf", torch.isinf, "(tl.abs({a}) == float(\"inf\"))", 0.5),
 ]}
 
 BINARY: dict[str, OpDef] = {op.name: op for op in [
@@ -55,7 +57,7 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("sub", torch.sub, "({a} - {b})"),
     OpDef("mul", torch.mul, "({a} * {b})"),
     OpDef("div", torch.div, "({a} / {b})", 1.5),
-    OpDef("pow", torch.pow, "libdevice.pow({a}, {b})", 4),
+    OpDef("pow", torch.pow, "", 4),  # written by the code generator (constant exponents)
     OpDef("maximum", torch.maximum, "tl.maximum({a}, {b})"),
     OpDef("minimum", torch.minimum, "tl.minimum({a}, {b})"),
     OpDef("eq", torch.eq, "({a} == {b})"),
@@ -69,6 +71,7 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("xor", torch.logical_xor, "({a} ^ {b})"),
 ]}
 
+BOOL_UNARY = {"not", "isnan", "isinf"}  # unary ops whose result is bool
 COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor"}
 
 # Reductions over the last axis: torch reference and the neutral element.
