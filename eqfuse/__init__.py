@@ -20,7 +20,7 @@ from .runtime.compiled import VERSION as __version__
 from .runtime.compiled import CompiledGraph, Options
 
 
-def compile(fn, example_inputs, **options) -> CompiledGraph:  # noqa: A001 - the public name
+def compile(fn, example_inputs, **options) -> CompiledGraph:
     """Compile ``fn`` (a function or nn.Module) for ``example_inputs``.
 
     Options: ``max_enodes``, ``max_seconds`` (saturation limits), ``rules`` (rulesets to
@@ -30,5 +30,14 @@ def compile(fn, example_inputs, **options) -> CompiledGraph:  # noqa: A001 - the
     return CompiledGraph(fn, example_inputs, Options.make(**options))
 
 
-__all__ = ["compile", "CompiledGraph", "Options", "EqfuseError", "CaptureError", "Unsupported",
-           "Unschedulable", "ExtractionError", "__version__"]
+__all__ = [
+    "CaptureError",
+    "CompiledGraph",
+    "EqfuseError",
+    "ExtractionError",
+    "Options",
+    "Unschedulable",
+    "Unsupported",
+    "__version__",
+    "compile",
+]

@@ -39,6 +39,7 @@ def cmd_show(args) -> int:
     import torch
 
     import eqfuse
+
     from .examples import Example
     target = _load_target(args.target)
     dtype = getattr(torch, DTYPES[args.dtype])
@@ -60,6 +61,7 @@ def cmd_demo(args) -> int:
     import torch
 
     import eqfuse
+
     from .examples import EXAMPLES, tolerance
     device = _device()
     dtype = getattr(torch, DTYPES[args.dtype])

@@ -4,8 +4,8 @@ number of kernels eqfuse should make of it. ``eqfuse demo`` and the tests use th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -123,4 +123,4 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
             torch.bfloat16: (5e-2, 5e-2), torch.float64: (1e-7, 1e-9)}.get(dtype, (0, 0))
 
 
-__all__ = ["EXAMPLES", "Example", "tolerance", "math"]
+__all__ = ["EXAMPLES", "Example", "math", "tolerance"]

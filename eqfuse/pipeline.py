@@ -124,4 +124,4 @@ def _triton_version() -> str:
         return "none"
 
 
-__all__ = ["build", "EqfuseError"]
+__all__ = ["EqfuseError", "build"]

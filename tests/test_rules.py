@@ -72,3 +72,16 @@ def test_spellings_meet():
     c = eqfuse.compile(spelled, (x,))
     assert_matches(c(x), spelled(x))
     assert "tl.sigmoid" in c.source and "tl.exp" not in c.source
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_view_rules_are_sound(seed):
+    """reshape(reshape(x, s1), s2) == reshape(x, s2); reshape(x:s, s) == x; broadcast(x:s, s) == x."""
+    gen = torch.Generator().manual_seed(seed)
+    dims = [int(d) for d in torch.randint(1, 5, (3,), generator=gen)]
+    x = torch.randn(*dims, generator=gen)
+    s1 = (dims[0] * dims[1], dims[2])
+    s2 = (dims[0], dims[1] * dims[2])
+    assert torch.equal(x.reshape(s1).reshape(s2), x.reshape(s2))
+    assert torch.equal(x.reshape(x.shape), x)
+    assert torch.equal(x.broadcast_to(x.shape), x)

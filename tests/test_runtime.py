@@ -75,9 +75,9 @@ def test_multi_output_kernel_stores_the_residual():
 
 
 def test_validation_rejects_a_plan_that_computes_something_else():
+    from eqfuse.frontend.capture import capture
     from eqfuse.rewrite.validate import mismatch
     from eqfuse.runtime.compiled import make_fallback_runner
-    from eqfuse.frontend.capture import capture
     x, w = torch.randn(4, 8), torch.rand(8)
     c = eqfuse.compile(rmsnorm, (x, w))
     captured = capture(rmsnorm, (x, w))

@@ -10,9 +10,9 @@ the user's result.
 from __future__ import annotations
 
 import logging
-
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree

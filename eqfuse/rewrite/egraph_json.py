@@ -53,7 +53,7 @@ class EGraphView:
             memo[node_id] = v
             return v
 
-        for nid, n in nodes.items():
+        for n in nodes.values():
             op, args = n["op"], []
             kind = next((k for k in OPERATOR_KINDS if op.startswith(k)), None)
             if kind is not None:

@@ -128,4 +128,4 @@ def mismatch(plan: Plan, captured, fallback_runner) -> str | None:
     return None
 
 
-__all__ = ["evaluate", "mismatch", "BufArg"]
+__all__ = ["BufArg", "evaluate", "mismatch"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -89,7 +90,7 @@ class CompiledGraph:
             variant = self._variant(inputs)
         return variant(*inputs)
 
-    def _variant(self, inputs) -> "_Variant":
+    def _variant(self, inputs) -> _Variant:
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
                 raise EqfuseError(f"input {i} is a {type(x).__name__}; pass tensors "
@@ -145,8 +146,9 @@ class _Variant:
                          "one kernel per op")
         for k in self.kernels:
             sched = k.schedule
+            how = "whole row in registers" if sched.persistent else "looped"
             shape = (f"pointwise over {sched.numel} elements" if sched.kind == "pointwise" else
-                     f"{sched.rows} rows x {sched.cols} reduced ({'whole row in registers' if sched.persistent else 'looped'})")
+                     f"{sched.rows} rows x {sched.cols} reduced ({how})")
             lines.append(f"  kernel {k.name}: {shape}; grid {k.grid}, {k.constexprs}")
             lines.append(f"      computes FX nodes: {', '.join(k.fx_nodes) or '-'}")
         for f in self.fallbacks:

@@ -7,8 +7,8 @@ Triton templates take operand expressions already converted to the compute dtype
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

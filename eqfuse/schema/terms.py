@@ -36,68 +36,68 @@ IntVec = Vec[i64]
 
 
 @function
-def Input(buffer: i64Like, dtype: i64Like) -> Tensor:  # noqa: N802 - egglog constructor
+def Input(buffer: i64Like, dtype: i64Like) -> Tensor:
     """A buffer the kernels read but do not compute: a graph input or an eager result
     (``buffer_code`` names it, ``dtype_code`` its dtype)."""
 
 
 @function
-def Kernel(body: Value) -> Tensor:  # noqa: N802
+def Kernel(body: Value) -> Tensor:
     """Materialise ``body`` into a fresh contiguous buffer of its shape."""
 
 
 @function
-def Load(t: Tensor) -> Value:  # noqa: N802
+def Load(t: Tensor) -> Value:
     """Read a kernel's output buffer, whole and contiguous."""
 
 
 @function
-def LoadStrided(t: Tensor, shape: IntVec, strides: IntVec, offset: i64Like) -> Value:  # noqa: N802
+def LoadStrided(t: Tensor, shape: IntVec, strides: IntVec, offset: i64Like) -> Value:
     """Read an input buffer through a strided view (element strides and offset)."""
 
 
 @function
-def Const(bits: i64Like, dtype: i64Like) -> Value:  # noqa: N802
+def Const(bits: i64Like, dtype: i64Like) -> Value:
     """A scalar constant: the bits of its float64 value, and its dtype code."""
 
 
 @function
-def Iota(shape: IntVec, axis: i64Like) -> Value:  # noqa: N802
+def Iota(shape: IntVec, axis: i64Like) -> Value:
     """The index along ``axis`` of an iteration space of ``shape`` (int64)."""
 
 
 @function
-def Where(cond: Value, a: Value, b: Value) -> Value:  # noqa: N802
+def Where(cond: Value, a: Value, b: Value) -> Value:
     ...
 
 
 @function
-def Cast(x: Value, dtype: i64Like) -> Value:  # noqa: N802
+def Cast(x: Value, dtype: i64Like) -> Value:
     ...
 
 
 @function
-def Broadcast(x: Value, shape: IntVec) -> Value:  # noqa: N802
+def Broadcast(x: Value, shape: IntVec) -> Value:
     """Numpy-style broadcast of ``x`` to ``shape`` (right-aligned)."""
 
 
 @function
-def Reshape(x: Value, shape: IntVec) -> Value:  # noqa: N802
+def Reshape(x: Value, shape: IntVec) -> Value:
     """Row-major reshape to ``shape`` (same element count)."""
 
 
 @function
-def Permute(x: Value, perm: IntVec) -> Value:  # noqa: N802
+def Permute(x: Value, perm: IntVec) -> Value:
     ...
 
 
 @function
-def Slice(x: Value, dim: i64Like, start: i64Like, step: i64Like, size: i64Like) -> Value:  # noqa: N802
+def Slice(x: Value, dim: i64Like, start: i64Like, step: i64Like, size: i64Like) -> Value:
     """Elements ``start, start+step, ...`` (``size`` of them) along ``dim``."""
 
 
 @function
-def Cat(a: Value, b: Value, dim: i64Like) -> Value:  # noqa: N802
+def Cat(a: Value, b: Value, dim: i64Like) -> Value:
     """``a`` followed by ``b`` along ``dim``."""
 
 
@@ -137,15 +137,15 @@ _UNARY, _BINARY, _REDUCE = (_declare(kind, names, params) for kind, names, param
     ("Unary", "Binary", "Reduce"), _op_names(), ("x: Value", "a: Value, b: Value", "x: Value")))
 
 
-def Unary(op: str, x: Value) -> Value:  # noqa: N802 - reads like the other constructors
+def Unary(op: str, x: Value) -> Value:
     return _UNARY[op](x)
 
 
-def Binary(op: str, a: Value, b: Value) -> Value:  # noqa: N802
+def Binary(op: str, a: Value, b: Value) -> Value:
     return _BINARY[op](a, b)
 
 
-def Reduce(op: str, x: Value) -> Value:  # noqa: N802
+def Reduce(op: str, x: Value) -> Value:
     """Reduce over the last axis, keeping it with size 1 (``sum``, ``max``, ``min``)."""
     return _REDUCE[op](x)
 
