@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ..schema.plan import contiguous_strides
+
 
 @dataclass(frozen=True)
 class Idx:
@@ -45,14 +47,6 @@ class Env:
     linear: Idx | None = None
     split: Split | None = None
     guard: Idx | None = None  # an extra condition under which loads are valid (cat branches)
-
-
-def contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(strides))
 
 
 def unravel(linear: Idx, shape) -> tuple:

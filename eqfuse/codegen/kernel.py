@@ -20,15 +20,13 @@ from dataclasses import dataclass
 
 from ..errors import Unschedulable
 from ..schema import ops
-from ..schema.plan import KernelSpec, PNode
-from ..schema.terms import bits_float  # noqa: F401  (re-exported for generated constants)
+from ..schema.plan import KernelSpec, PNode, contiguous_strides
 from .indexing import (
     ZERO,
     Env,
     Idx,
     Split,
     broadcast_env,
-    contiguous_strides,
     env_key,
     permute_env,
     reshape_env,

@@ -24,7 +24,7 @@ import networkx as nx
 from ..codegen.kernel import generate, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
-from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode
+from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides
 from ..schema.terms import bits_float, buffer_name, dtype_name
 from .cost import DEFAULT_DEVICE, Device, kernel_time_us
 from .egraph_json import EGraphView, ENode
@@ -325,7 +325,7 @@ class Extractor:
             shape, dtype = self.types[c]
             if c in M and c not in here:
                 loads.add(c)
-                p = PNode("load", (self.buffer_name(c), _contig(shape), 0), (), shape, dtype, c)
+                p = PNode("load", (self.buffer_name(c), contiguous_strides(shape), 0), (), shape, dtype, c)
                 memo[c] = p
                 return p
             n = self.best[c]
@@ -425,11 +425,6 @@ class _State:
 
     def __post_init__(self):
         self.invalid, self.reasons, self.specs, self.inline_sets, self.loaders = [], {}, {}, {}, {}
-
-
-def _contig(shape):
-    from ..codegen.indexing import contiguous_strides
-    return contiguous_strides(shape)
 
 
 def _map_refs(obj, ex: Extractor):

@@ -25,6 +25,7 @@ import torch
 from ..errors import Unsupported
 from . import ops
 from .ops import dtype_name
+from .plan import contiguous_strides
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -87,14 +88,6 @@ class Translation:
 
 def _meta(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(strides))
 
 
 class Translator:
@@ -245,7 +238,7 @@ class Translator:
                     dt = self._dtype(m)
                 except Unsupported:
                     dt = None
-                entries.append(BufferView(name, tuple(m.shape), _contiguous_strides(m.shape), 0, dt,
+                entries.append(BufferView(name, tuple(m.shape), contiguous_strides(m.shape), 0, dt,
                                           foldable=False) if dt else _Opaque(name))
                 info.append((tuple(m.shape), dt))
             else:

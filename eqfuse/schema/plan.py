@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def contiguous_strides(shape) -> tuple:
+    """Row-major element strides of ``shape``."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
 @dataclass(eq=False)
 class PNode:
     op: str  # load const iota unary binary where cast reduce broadcast reshape permute slice cat
