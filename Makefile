@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m eqfuse.cli demo
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests
+	$(PY) -m pytest tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check eqfuse tests benchmarks

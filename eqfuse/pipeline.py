@@ -75,7 +75,10 @@ def build(fn, example_inputs, options) -> dict:
             problem = None
             break
         t0 = time.perf_counter()
-        mismatch_ = mismatch(plan, captured, make_fallback_runner)
+        try:
+            mismatch_ = mismatch(plan, captured, make_fallback_runner)
+        except Exception as e:  # noqa: BLE001 - a checker that cannot run has not checked
+            mismatch_ = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         seconds["validate"] = time.perf_counter() - t0
         problem = mismatch_ and f"internal check failed, the extracted plan differs from the graph: {mismatch_}"
         if not problem:

@@ -5,6 +5,13 @@ import torch
 
 os.environ.setdefault("EQFUSE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "eqfuse"))
 
+# The suite runs where it is started: on a CUDA GPU when there is one (real Triton
+# compilation), else on the CPU through the Triton interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+torch.set_default_device(DEVICE)
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -3,7 +3,7 @@ power-of-two and odd widths, non-contiguous and zero-size inputs, and kernel cou
 
 import pytest
 import torch
-from conftest import assert_matches
+from conftest import DEVICE, assert_matches
 
 import eqfuse
 from eqfuse.examples import EXAMPLES
@@ -18,7 +18,7 @@ SHAPES = [(4, 16), (3, 1000), (2, 1)]
 def test_example_matches_eager(name, shape, dtype):
     ex = EXAMPLES[name]
     torch.manual_seed(0)
-    inputs = ex.make_inputs(*shape, dtype, "cpu")
+    inputs = ex.make_inputs(*shape, dtype, DEVICE)
     compiled = eqfuse.compile(ex.fn, inputs)
     assert_matches(compiled(*inputs), ex.fn(*inputs))
     assert len(compiled.kernels) == ex.kernels, compiled.explain()
@@ -28,7 +28,7 @@ def test_example_matches_eager(name, shape, dtype):
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm", "residual_layernorm", "log_softmax", "swiglu"])
 def test_width_1536_is_one_kernel(name):
     ex = EXAMPLES[name]
-    inputs = ex.make_inputs(2, 1536, torch.float16, "cpu")
+    inputs = ex.make_inputs(2, 1536, torch.float16, DEVICE)
     compiled = eqfuse.compile(ex.fn, inputs)
     assert_matches(compiled(*inputs), ex.fn(*inputs))
     assert len(compiled.kernels) == 1
@@ -40,7 +40,7 @@ def test_width_1536_is_one_kernel(name):
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm", "residual_layernorm", "mul_relu", "gelu"])
 def test_transposed_inputs(name):
     ex = EXAMPLES[name]
-    inputs = ex.make_inputs(12, 8, torch.float32, "cpu")
+    inputs = ex.make_inputs(12, 8, torch.float32, DEVICE)
     inputs = tuple(x.t().contiguous().t() if x.dim() == 2 else x for x in inputs)  # column-major
     assert not inputs[0].is_contiguous()
     compiled = eqfuse.compile(ex.fn, inputs)
@@ -51,7 +51,7 @@ def test_transposed_inputs(name):
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm", "vector_add", "swiglu"])
 def test_sliced_inputs(name):
     ex = EXAMPLES[name]
-    big = ex.make_inputs(10, 40, torch.float32, "cpu")
+    big = ex.make_inputs(10, 40, torch.float32, DEVICE)
     inputs = tuple(x[1:9:2, 3:35] if x.dim() == 2 else x[3:35] for x in big)
     compiled = eqfuse.compile(ex.fn, inputs)
     assert_matches(compiled(*inputs), ex.fn(*inputs))
@@ -60,14 +60,14 @@ def test_sliced_inputs(name):
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm", "vector_add", "residual_layernorm", "gelu"])
 def test_zero_rows(name):
     ex = EXAMPLES[name]
-    inputs = ex.make_inputs(0, 16, torch.float32, "cpu")
+    inputs = ex.make_inputs(0, 16, torch.float32, DEVICE)
     compiled = eqfuse.compile(ex.fn, inputs)
     assert_matches(compiled(*inputs), ex.fn(*inputs))
 
 
 def test_causal_softmax_masks_upper_triangle():
     ex = EXAMPLES["causal_softmax"]
-    (x,) = ex.make_inputs(1, 17, torch.float32, "cpu")
+    (x,) = ex.make_inputs(1, 17, torch.float32, DEVICE)
     compiled = eqfuse.compile(ex.fn, (x,))
     out = compiled(x)
     assert_matches(out, ex.fn(x))
@@ -78,7 +78,7 @@ def test_causal_softmax_masks_upper_triangle():
 
 def test_looped_reduction_for_wide_rows():
     ex = EXAMPLES["softmax"]
-    (x,) = ex.make_inputs(2, 20000, torch.float32, "cpu")
+    (x,) = ex.make_inputs(2, 20000, torch.float32, DEVICE)
     compiled = eqfuse.compile(ex.fn, (x,))
     assert_matches(compiled(x), ex.fn(x))
     assert len(compiled.kernels) == 1

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_matches
+from conftest import DEVICE, assert_matches
 
 import eqfuse
 from eqfuse.examples import EXAMPLES
@@ -10,17 +10,17 @@ from eqfuse.rewrite.rules import ALGEBRA, CAST_ROUNDTRIPS, TorchBuilder, catalog
 
 
 def _draw(domain, gen):
-    x = torch.randn(64, dtype=torch.float64, generator=gen) * 3
+    x = torch.randn(64, dtype=torch.float64, generator=gen, device="cpu") * 3
     if domain == "pos":
         return x.abs() + 0.1
     if domain == "bool":
-        return torch.rand(64, generator=gen) > 0.5
+        return torch.rand(64, generator=gen, device="cpu") > 0.5
     return x
 
 
 @pytest.mark.parametrize("rule", ALGEBRA, ids=lambda r: r.name)
 def test_algebra_rule_is_sound(rule):
-    gen = torch.Generator().manual_seed(hash(rule.name) % 2**31)
+    gen = torch.Generator(device="cpu").manual_seed(hash(rule.name) % 2**31)
     for _ in range(5):
         domains = rule.domains or ("any",) * rule.arity
         xs = [_draw(d, gen) for d in domains]
@@ -46,7 +46,7 @@ def test_every_rule_is_in_the_catalogue_and_built():
 def test_fusion_rule_is_sound_and_fuses(name):
     """Load(Kernel(u)) == u: with the rule, one kernel; without it, one per op; both equal eager."""
     ex = EXAMPLES[name]
-    inputs = ex.make_inputs(4, 24, torch.float32, "cpu")
+    inputs = ex.make_inputs(4, 24, torch.float32, DEVICE)
     fused = eqfuse.compile(ex.fn, inputs)
     unfused = eqfuse.compile(ex.fn, inputs, rules=("algebra", "views"))
     assert_matches(fused(*inputs), ex.fn(*inputs))
@@ -77,9 +77,9 @@ def test_spellings_meet():
 @pytest.mark.parametrize("seed", range(5))
 def test_view_rules_are_sound(seed):
     """reshape(reshape(x, s1), s2) == reshape(x, s2); reshape(x:s, s) == x; broadcast(x:s, s) == x."""
-    gen = torch.Generator().manual_seed(seed)
-    dims = [int(d) for d in torch.randint(1, 5, (3,), generator=gen)]
-    x = torch.randn(*dims, generator=gen)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dims = [int(d) for d in torch.randint(1, 5, (3,), generator=gen, device="cpu")]
+    x = torch.randn(*dims, generator=gen, device="cpu")
     s1 = (dims[0] * dims[1], dims[2])
     s2 = (dims[0], dims[1] * dims[2])
     assert torch.equal(x.reshape(s1).reshape(s2), x.reshape(s2))

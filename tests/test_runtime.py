@@ -4,6 +4,7 @@ import multiprocessing
 import os
 
 import torch
+from conftest import DEVICE
 
 import eqfuse
 from eqfuse.examples import EXAMPLES, residual_layernorm, rmsnorm
@@ -68,7 +69,7 @@ def test_cost_model_counts_a_broadcast_read_once():
 
 
 def test_multi_output_kernel_stores_the_residual():
-    inputs = EXAMPLES["residual_layernorm"].make_inputs(4, 32, torch.float32, "cpu")
+    inputs = EXAMPLES["residual_layernorm"].make_inputs(4, 32, torch.float32, DEVICE)
     c = eqfuse.compile(residual_layernorm, inputs)
     (k,) = c.kernels
     assert len(k.spec.roots) == 2 and k.source.count("tl.store(") == 2

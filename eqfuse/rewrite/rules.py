@@ -90,13 +90,13 @@ class TorchBuilder:
         return ops.UNARY[op].torch_fn(x)
 
     def binary(self, op, x, y):
-        return ops.BINARY[op].torch_fn(torch.as_tensor(x, dtype=torch.float64), y)
+        return ops.BINARY[op].torch_fn(torch.as_tensor(x, dtype=torch.float64, device="cpu"), y)
 
     def where(self, c, x, y):
         return torch.where(c, x, y)
 
     def const(self, value):
-        return torch.tensor(value, dtype=torch.float64)
+        return torch.tensor(value, dtype=torch.float64, device="cpu")
 
 
 class EgglogBuilder:

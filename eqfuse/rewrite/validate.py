@@ -23,21 +23,21 @@ def _compute_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype in ops.NARROW_FLOATS else ops.DTYPES[dtype]
 
 
-def _eval(node: PNode, buffers: dict, memo: dict) -> torch.Tensor:
+def _eval(node: PNode, buffers: dict, memo: dict, device) -> torch.Tensor:
     if id(node) in memo:
         return memo[id(node)]
-    a = [_eval(x, buffers, memo) for x in node.args]
+    a = [_eval(x, buffers, memo, device) for x in node.args]
     op, at = node.op, node.attrs
     if op == "load":
         base = buffers[at[0]]
         v = torch.as_strided(base, node.shape, at[1], base.storage_offset() + at[2])
         v = v.to(_compute_dtype(node.dtype))
     elif op == "const":
-        v = torch.tensor(at[0], dtype=_compute_dtype(node.dtype))
+        v = torch.tensor(at[0], dtype=_compute_dtype(node.dtype), device=device)
     elif op == "iota":
         shape = [1] * len(node.shape)
         shape[at[0]] = node.shape[at[0]]
-        v = torch.arange(node.shape[at[0]]).reshape(shape).expand(node.shape)
+        v = torch.arange(node.shape[at[0]], device=device).reshape(shape).expand(node.shape)
     elif op == "unary":
         v = ops.UNARY[at[0]].torch_fn(a[0])
     elif op == "binary":
@@ -63,7 +63,6 @@ def _eval(node: PNode, buffers: dict, memo: dict) -> torch.Tensor:
         v = torch.cat([a[0], a[1]], at[0])
     else:  # pragma: no cover - every plan op is listed above
         raise AssertionError(op)
-    v = v.to(a[0].device) if a and isinstance(v, torch.Tensor) else v
     memo[id(node)] = v
     return v
 
@@ -77,8 +76,8 @@ def evaluate(plan: Plan, inputs, fallback_runner) -> list:
             memo: dict = {}
             for root, buf in step.roots:
                 b = plan.buffers[buf]
-                v = _eval(root, buffers, memo)
-                buffers[buf] = v.to(device=device).to(ops.DTYPES[b.dtype]).broadcast_to(b.shape).contiguous()
+                v = _eval(root, buffers, memo, device)
+                buffers[buf] = v.to(ops.DTYPES[b.dtype]).broadcast_to(b.shape).contiguous()
         else:
             outs = fallback_runner(step)(buffers)
             buffers.update(zip(step.outputs, outs))
