@@ -29,7 +29,7 @@ def test_report_and_explain():
 def test_generated_module_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
     x, w = torch.randn(4, 8), torch.rand(8)
-    eqfuse.compile(rmsnorm, (x, w))
+    eqfuse.compile(rmsnorm, (x, w), autotune=False)  # autotuning caches its trials too
     files = list(tmp_path.glob("eqfuse_*.py"))
     assert len(files) == 1 and "@triton.jit" in files[0].read_text()
 
