@@ -27,9 +27,10 @@ def build(fn, example_inputs, options) -> dict:
     t0 = time.perf_counter()
     captured = capture(fn, example_inputs)
     seconds["capture"] = time.perf_counter() - t0
-    device_type = example_inputs[0].device.type if example_inputs else "cpu"
+    device = example_inputs[0].device if example_inputs else torch.device("cpu")
+    device_type = device.type
     title = getattr(fn, "__name__", type(fn).__name__)
-    result = {"constants": captured.constants, "out_spec": captured.out_spec, "device_type": device_type,
+    result = {"constants": captured.constants, "out_spec": captured.out_spec, "device": device,
               "whole_graph_eager": False, "kernels": [], "fallbacks": [], "source": "", "plan": None,
               "report": {"seconds": seconds}}
 
@@ -100,11 +101,10 @@ def build(fn, example_inputs, options) -> dict:
     key = cache_key(source, device_type, VERSION, _triton_version())
     t0 = time.perf_counter()
     module = load_module(key, source, interpret=device_type != "cuda")
-    module.FALLBACKS = [make_fallback_runner(s) for s in plan.fallbacks]
-    module.DEVICE = torch.device(device_type)
     seconds["load"] = time.perf_counter() - t0
     result.update(
-        kernels=infos, source=source, plan=plan, module=module,
+        kernels=infos, source=source, plan=plan, module=module, launch=module.call,
+        fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
         fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks],
     )
     result["report"].update(saturation=sat.as_dict(), extraction=ext_report)

@@ -43,7 +43,8 @@ class Options:
 
 
 def _signature(tensors) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, tuple(t.stride()), t.device.type) for t in tensors)
+    """What a compiled variant is specialised to; computed on every call, so kept cheap."""
+    return tuple((t.shape, t.dtype, t.stride(), t.device) for t in tensors)
 
 
 class CompiledGraph:
@@ -95,6 +96,10 @@ class CompiledGraph:
             if not isinstance(x, torch.Tensor):
                 raise EqfuseError(f"input {i} is a {type(x).__name__}; pass tensors "
                                   "(bind other arguments with functools.partial)")
+        devices = {x.device for x in inputs}
+        if len(devices) > 1:
+            raise EqfuseError(f"inputs are on several devices ({', '.join(sorted(map(str, devices)))}); "
+                              "compile for one device")
         v = _Variant(self.fn, inputs, self.options)
         self._variants[_signature(inputs)] = v
         return v
@@ -122,12 +127,9 @@ class _Variant:
     def __call__(self, *inputs):
         if self.whole_graph_eager:
             return self.fn(*inputs)
-        tensors = list(inputs) + list(self.constants)
-        if any(t.device.type != self.device_type for t in tensors):
-            raise EqfuseError(f"inputs are on several devices ({sorted({t.device.type for t in tensors})}); "
-                              "compile for one device")
-        self.module.DEVICE = tensors[0].device if tensors else torch.device(self.device_type)
-        flat = self.module.call(*tensors)
+        flat = self.launch(self.device, self.fallback_runners, *inputs, *self.constants)
+        if self.out_spec.is_leaf():
+            return flat[0]
         return pytree.tree_unflatten(flat, self.out_spec)
 
     def explain(self) -> str:
