@@ -38,7 +38,7 @@ def test_no_mask_when_blocks_divide_the_sizes():
 def test_kernel_attributes_are_readable():
     x, w = torch.randn(6, 10), torch.rand(10)
     from eqfuse.examples import rmsnorm
-    c = eqfuse.compile(rmsnorm, (x, w))
+    c = eqfuse.compile(rmsnorm, (x, w), autotune=False)
     (k,) = c.kernels
     assert k.name.startswith("k0_")
     assert set(k.fx_nodes) >= {"pow_1", "mean", "rsqrt"}
@@ -46,3 +46,12 @@ def test_kernel_attributes_are_readable():
     assert k.grid == (1,)
     assert k.source in c.source and '"""FX nodes: ' in k.source
     compile(c.source, "generated", "exec")  # the module is valid Python
+
+
+def test_a_config_that_does_not_fit_is_not_used():
+    """A persistent row kernel with a block narrower than the row would drop columns."""
+    x = torch.randn(3, 1000)
+    c = eqfuse.compile(lambda x: torch.softmax(x, -1), (x,), autotune=False)
+    (k,) = c.kernels
+    text, sched, cfg, _ = generate(k.spec, c.plan.buffers, {"BLOCK_R": 1, "BLOCK_C": 16, "num_warps": 1})
+    assert cfg["BLOCK_C"] >= 1000

@@ -435,6 +435,18 @@ def default_config(sched: Schedule) -> dict:
     return {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
 
 
+def fits(sched: Schedule, cfg: dict) -> bool:
+    """Whether a configuration is one this schedule can run with (a tuned config read back
+    from a cache is checked, never trusted)."""
+    if sched.kind == "pointwise":
+        return set(cfg) == {"XBLOCK", "num_warps"}
+    if set(cfg) != {"BLOCK_R", "BLOCK_C", "num_warps"}:
+        return False
+    if sched.persistent:
+        return cfg["BLOCK_C"] >= sched.cols
+    return cfg["BLOCK_C"] == LOOP_BLOCK or cfg["BLOCK_C"] < sched.cols
+
+
 def tuning_candidates(sched: Schedule) -> list[dict]:
     """Alternatives the GPU autotuner times (the default first)."""
     base = default_config(sched)
@@ -458,7 +470,8 @@ def tuning_candidates(sched: Schedule) -> list[dict]:
 def generate(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> tuple[str, Schedule, dict, list]:
     """Source of one kernel: (text, schedule, config, parameter buffers)."""
     sched = schedule_of(spec)
-    cfg = cfg or default_config(sched)
+    if cfg is None or not fits(sched, cfg):
+        cfg = default_config(sched)
     w = KernelWriter(spec, buffers, sched)
     text = w.write(cfg)
     return text, sched, cfg, w.params

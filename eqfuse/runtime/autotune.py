@@ -41,7 +41,10 @@ def autotune(plan, infos, title, version, example_inputs, constants) -> dict:
     chosen: dict = {}
     pending = []
     for info in infos:
-        key = cache_key(info.source, device, version)
+        # The source does not hold the sizes (they are constexpr arguments): key on them too.
+        sizes = {k: v for k, v in info.constexprs.items() if k in ("xnumel", "R", "C")}
+        dtypes = [plan.buffers[p].dtype for p in info.params]
+        key = cache_key(info.source, sizes, dtypes, device, version)
         if key in store:
             chosen[info.name] = store[key]
         else:
