@@ -158,7 +158,13 @@ class KernelWriter:
             return self.memo_outer[key]
         if key in self.memo_loop:
             return self.memo_loop[key]
-        if tuple(env.shape) != tuple(node.shape) and node.op != "const":
+        if not node.shape and env.shape:
+            # A rank-0 value used as a scalar operand: the same at every point.
+            env = Env((), (), None, None, env.guard)
+            key = (id(node), env_key(env))
+            if key in self.memo_outer:
+                return self.memo_outer[key]
+        if tuple(env.shape) != tuple(node.shape):
             raise AssertionError(f"{node.op} of shape {node.shape} evaluated at {env.shape}")
         val = getattr(self, f"_emit_{node.op}")(node, env)
         memo = self.memo_loop if (self.loop is not None and "c" in val.axes) else self.memo_outer

@@ -111,3 +111,28 @@ def _fake_like(node, value: torch.Tensor):
     if "val" in node.meta:
         return node.meta["val"]
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+
+def real_examples(tensors) -> list:
+    """Real tensors to run the graph on: the examples themselves, or, where they are fake
+    (AOTAutograd hands compilers FakeTensors), random tensors of the same shape, dtype,
+    strides and device."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    if not any(isinstance(t, FakeTensor) for t in tensors):
+        return list(tensors)
+    out = []
+    with unset_fake_temporarily():
+        for t in tensors:
+            if not isinstance(t, FakeTensor):
+                out.append(t)
+                continue
+            x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            if t.dtype.is_floating_point:
+                x.normal_()
+            elif t.dtype == torch.bool:
+                x.copy_(torch.rand(t.shape, device=t.device) > 0.5)
+            else:
+                x.copy_(torch.randint(0, 8, t.shape, device=t.device))
+            out.append(x)
+    return out

@@ -238,9 +238,14 @@ class Extractor:
                     M, state, improved = trial_m, trial, True
             if not improved:
                 break
-        # Multi-output: store a materialised value from a kernel that computes it anyway.
+        # Multi-output kernels: store a materialised value from a kernel that computes it
+        # anyway (a consumer), or from a sibling over the same inputs (horizontal fusion).
         for c in sorted(M, key=order.index):
-            for p in state.loaders.get(c, []):
+            if c not in state.specs:
+                continue
+            reads = _load_buffers(state.specs[c])
+            siblings = [p for p, spec in state.specs.items() if reads & _load_buffers(spec)]
+            for p in dict.fromkeys(state.loaders.get(c, []) + siblings):
                 if p == c or p in host or c in host.values():  # one level: hosts are not hosted
                     continue
                 trial_host = dict(host)
@@ -396,6 +401,10 @@ class Extractor:
                 outputs.append(o)
         inputs = [buffers[name] for name, _, _ in self.tr.inputs]
         return Plan(inputs, buffers, ordered, outputs)
+
+
+def _load_buffers(spec: KernelSpec) -> set:
+    return {n.attrs[0] for n in spec.walk() if n.op == "load"}
 
 
 def _dependency_graph(kernels: dict, fallbacks: dict) -> nx.DiGraph:

@@ -99,11 +99,19 @@ def evaluate(plan: Plan, inputs, fallback_runner) -> list:
 def mismatch(plan: Plan, captured, fallback_runner) -> str | None:
     """None if the plan computes what the captured graph computes on the example inputs,
     else a one-line description of the first difference."""
-    inputs = captured.example_tensors
-    with torch.no_grad(), warnings.catch_warnings():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..frontend.capture import real_examples
+
+    inputs = real_examples(captured.example_tensors)
+    with torch.no_grad(), warnings.catch_warnings(), unset_fake_temporarily():
         warnings.simplefilter("ignore")  # the user saw eager's warnings when tracing
         expected = captured.gm(*inputs)
         got = evaluate(plan, inputs, fallback_runner)
+        return _first_difference(got, expected)
+
+
+def _first_difference(got, expected) -> str | None:
     for i, (g, e) in enumerate(zip(got, expected)):
         if not isinstance(e, torch.Tensor):
             continue

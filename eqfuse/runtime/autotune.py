@@ -52,7 +52,8 @@ def autotune(plan, infos, title, version, example_inputs, constants) -> dict:
     if not pending or os.environ.get("EQFUSE_AUTOTUNE", "1") == "0":
         return chosen
     # Inputs of the graph, and scratch buffers for every other buffer, to launch kernels alone.
-    tensors = dict(zip([b.name for b in plan.inputs], list(example_inputs) + list(constants)))
+    from ..frontend.capture import real_examples
+    tensors = dict(zip([b.name for b in plan.inputs], real_examples(list(example_inputs) + list(constants))))
     for name, b in plan.buffers.items():
         if name not in tensors:
             from ..schema import ops

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from ..errors import EqfuseError
 from ..schema.plan import BufArg, FallbackStep
 
 VERSION = "0.1.0"
+log = logging.getLogger("eqfuse")
 
 
 @dataclass
@@ -120,7 +122,15 @@ class _Variant:
         from ..pipeline import build
 
         start = time.perf_counter()
-        result = build(self.fn, self.example_inputs, self.options)
+        try:
+            result = build(self.fn, self.example_inputs, self.options)
+        except EqfuseError:
+            raise
+        except Exception as e:  # a bug in eqfuse must not stop the user's program
+            log.warning("eqfuse: internal error, the graph runs in eager: %s: %s", type(e).__name__, e)
+            reason = f"internal error in eqfuse: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            result = {"whole_graph_eager": True, "fallbacks": [FallbackInfo("<graph>", reason)],
+                      "report": {"seconds": {}, "note": f"whole graph runs in eager: {reason}"}}
         self.__dict__.update(result)
         self.report["seconds"]["total"] = round(time.perf_counter() - start, 4)
 

@@ -1,0 +1,63 @@
+"""``torch.compile(model, backend="eqfuse")``: a TorchDynamo backend.
+
+Registered through the ``torch_dynamo_backends`` entry point, so installing eqfuse is
+enough. AOTAutograd splits each captured graph into a forward and, when gradients are
+needed, a backward graph of ATen ops, decomposed with eqfuse's table; eqfuse compiles
+both. A graph eqfuse cannot compile (or one with dynamic shapes, not supported yet) runs
+as AOTAutograd traced it, with a one-line warning: the user's program never fails
+because of the compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import torch
+
+log = logging.getLogger("eqfuse")
+
+# The graphs this backend compiled most recently (forward and backward), newest last:
+# ``eqfuse.backend.history[-1].explain()`` tells what became of the last one.
+history: deque = deque(maxlen=32)
+
+
+def _compiler(options: dict):
+    from functorch.compile import make_boxed_func
+
+    from . import compile as eqfuse_compile
+    from .errors import EqfuseError
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        if not all(isinstance(x, torch.Tensor) for x in example_inputs):
+            log.warning("eqfuse: graph with symbolic sizes runs uncompiled (dynamic shapes are not supported yet)")
+            return gm
+        try:
+            compiled = eqfuse_compile(gm, example_inputs, **options)
+        except EqfuseError as e:
+            log.warning("eqfuse: graph runs uncompiled: %s", e)
+            return gm
+        history.append(compiled)
+        for fb in compiled.fallbacks:
+            log.info("eqfuse: eager: %s", fb)
+
+        def run(*args):
+            out = compiled(*args)
+            return out if isinstance(out, (tuple, list)) else (out,)
+        return make_boxed_func(run)
+    return compile_graph
+
+
+def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **_: Any):
+    """The dynamo backend. ``options`` are ``eqfuse.compile`` options."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from .frontend.capture import decomposition_table
+
+    compiler = _compiler(dict(options or {}))
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table())
+    return backend(gm, example_inputs)
+
+
+backend = eqfuse_backend
