@@ -246,9 +246,11 @@ class Extractor:
             reads = _load_buffers(state.specs[c])
             siblings = [p for p, spec in state.specs.items() if reads & _load_buffers(spec)]
             for p in dict.fromkeys(state.loaders.get(c, []) + siblings):
-                if p == c or p in host or c in host.values():  # one level: hosts are not hosted
+                p = host.get(p, p)  # the kernel that computes p
+                if p == c or c in host:
                     continue
-                trial_host = dict(host)
+                # c's kernel, with everything it stores, moves into p's.
+                trial_host = {k: (p if v == c else v) for k, v in host.items()}
                 trial_host[c] = p
                 trial = evaluate(M, trial_host)
                 if not trial.invalid and trial.acyclic and trial.cost < state.cost - 1e-9:
@@ -288,6 +290,8 @@ class Extractor:
                 except Unschedulable as e:
                     memo[key] = (math.inf, str(e))
             t, reason = memo[key]
+            if loads & {c, *extra}:
+                t, reason = math.inf, "reads a buffer it writes"
             if reason is not None:
                 st.invalid.append(c)
                 st.reasons[c] = reason
@@ -339,8 +343,10 @@ class Extractor:
             if n.op == "LoadStrided":
                 name = buffer_name(self.tensor_node[a[0]].args[0])
                 p = PNode("load", (name, tuple(a[2]), a[3]), (), shape, dtype, c)
-            elif n.op == "Load":  # a kernel left unfused (saturation stopped early): d is materialised
-                p = build(self.tensor_node[a[0]].args[0])
+            elif n.op == "Load":  # a kernel left unfused (saturation stopped early): read its buffer
+                d = self.tensor_node[a[0]].args[0]
+                loads.add(d)  # d in ``here`` (a kernel reading what it writes) is rejected by the caller
+                p = PNode("load", (self.buffer_name(d), contiguous_strides(shape), 0), (), shape, dtype, c)
             elif n.op == "Const":
                 p = PNode("const", (bits_float(a[0]),), (), shape, dtype, c)
             elif n.op == "Iota":
