@@ -53,10 +53,12 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     """The dynamo backend. ``options`` are ``eqfuse.compile`` options."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from .frontend.capture import decomposition_table
-
     compiler = _compiler(dict(options or {}))
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table())
+    # No decompositions at this level: eqfuse decomposes when it captures each graph, where
+    # validation checks the result against the graph as AOTAutograd gave it. (With torch
+    # 2.13's core decompositions here, AOTAutograd's own backward of a GPT-2 block on the
+    # CPU was wrong, compilers aside.)
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
     return backend(gm, example_inputs)
 
 

@@ -327,7 +327,17 @@ class KernelWriter:
     # --- the kernel ----------------------------------------------------------------------------
     def store(self, root: PNode, buf: str, env: Env):
         v = self.emit(root, env)
-        lin = env.linear if env.linear is not None else Idx("0")
+        strides = self.buffers[buf].strides
+        if strides is None:
+            lin = env.linear if env.linear is not None else Idx("0")
+        else:  # eager's layout for a graph output
+            terms, axes = [], frozenset()
+            for d, st, size in zip(env.dims, strides, root.shape):
+                if d.is_zero or st == 0 or size == 1:
+                    continue
+                terms.append(d.expr if st == 1 else f"{d.expr} * {st}")
+                axes |= d.axes
+            lin = Idx(" + ".join(terms) if terms else "0", axes)
         axes = lin.axes
         block = {"x": "[XBLOCK]", "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]"}
         want = "".join(a for a in "xrc" if a in axes)

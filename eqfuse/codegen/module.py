@@ -72,8 +72,12 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
             for _, buf in step.roots:
                 if buf not in allocated:
                     b = plan.buffers[buf]
-                    body.append(f"{buf} = torch.empty({tuple(b.shape)!r}, dtype={ops.DTYPES[b.dtype]}, "
-                                "device=DEVICE)")
+                    if b.strides is None:
+                        body.append(f"{buf} = torch.empty({tuple(b.shape)!r}, dtype={ops.DTYPES[b.dtype]}, "
+                                    "device=DEVICE)")
+                    else:
+                        body.append(f"{buf} = torch.empty_strided({tuple(b.shape)!r}, {tuple(b.strides)!r}, "
+                                    f"dtype={ops.DTYPES[b.dtype]}, device=DEVICE)")
                     allocated.add(buf)
             if info.grid[0] == 0:
                 body.append(f"# {info.name}: nothing to compute (zero-size)")

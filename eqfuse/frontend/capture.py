@@ -43,6 +43,11 @@ class CapturedGraph:
     out_spec: Any
     num_user_inputs: int
     constants: list[torch.Tensor] = field(default_factory=list)
+    fn: Callable | None = None  # the user's function, the reference for validation
+
+    def reference_outputs(self, user_inputs) -> list:
+        """The flat outputs of the original function (before decomposition)."""
+        return pytree.tree_flatten(self.fn(*user_inputs))[0]
 
     @property
     def placeholders(self) -> list[torch.fx.Node]:
@@ -103,7 +108,7 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
     del module_params
     return CapturedGraph(gm=gm, example_tensors=list(example_inputs) + constants,
                          out_spec=out_spec_box[-1], num_user_inputs=len(example_inputs),
-                         constants=constants)
+                         constants=constants, fn=fn)
 
 
 def _fake_like(node, value: torch.Tensor):

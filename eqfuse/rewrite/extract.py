@@ -73,6 +73,10 @@ class Extractor:
                 elif n.op == "Input":
                     self.tensor_node[cid] = n
         self.types = self._infer_types()
+        self.out_strides: dict[str, tuple] = {}
+        for o in translation.outputs:
+            if o[0] == "value" and o[4] is not None:
+                self.out_strides.setdefault(view.lets[o[1]], tuple(o[4]))
         self._buffer_names: dict[str, str] = {}
         self.best = self._inline_choices()
 
@@ -319,8 +323,12 @@ class Extractor:
                     buffers[name] = Buffer(name, shape, dtype, "external")
         for c in M:
             shape, dtype = self.types[c]
-            buffers[self.buffer_name(c)] = Buffer(self.buffer_name(c), shape, dtype, "temp")
+            buffers[self.buffer_name(c)] = Buffer(self.buffer_name(c), shape, dtype, "temp", self._strides(c))
         return buffers
+
+    def _strides(self, c) -> tuple:
+        strides = self.out_strides.get(c)
+        return strides if strides is not None and strides != contiguous_strides(self.types[c][0]) else None
 
     def _kernel(self, root, M, extra):
         """The kernel computing ``root`` (and storing ``extra`` values it computes inline)."""
@@ -334,7 +342,8 @@ class Extractor:
             shape, dtype = self.types[c]
             if c in M and c not in here:
                 loads.add(c)
-                p = PNode("load", (self.buffer_name(c), contiguous_strides(shape), 0), (), shape, dtype, c)
+                strides = self._strides(c) or contiguous_strides(shape)
+                p = PNode("load", (self.buffer_name(c), strides, 0), (), shape, dtype, c)
                 memo[c] = p
                 return p
             n = self.best[c]
@@ -346,7 +355,8 @@ class Extractor:
             elif n.op == "Load":  # a kernel left unfused (saturation stopped early): read its buffer
                 d = self.tensor_node[a[0]].args[0]
                 loads.add(d)  # d in ``here`` (a kernel reading what it writes) is rejected by the caller
-                p = PNode("load", (self.buffer_name(d), contiguous_strides(shape), 0), (), shape, dtype, c)
+                strides = self._strides(d) or contiguous_strides(shape)
+                p = PNode("load", (self.buffer_name(d), strides, 0), (), shape, dtype, c)
             elif n.op == "Const":
                 p = PNode("const", (bits_float(a[0]),), (), shape, dtype, c)
             elif n.op == "Iota":

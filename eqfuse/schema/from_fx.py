@@ -80,7 +80,7 @@ class BufRef:
 class Translation:
     egraph: Any
     inputs: list[tuple[str, tuple, str]]  # (buffer name, shape, dtype) per placeholder
-    outputs: list  # per flat output: ("value", let) | ("buffer", BufRef) | ("const", value)
+    outputs: list  # per flat output: ("value", let, shape, dtype, strides) | ("buffer", BufRef) | ("const", v)
     fallbacks: list[Fallback]
     roots: list[str]  # let-names that must be materialised (outputs, fallback args)
     node_names: list[str] = field(default_factory=list)
@@ -257,7 +257,9 @@ class Translator:
                 name = f"out_{i}"
                 self.egraph.let(name, e.term)
                 self.roots.append(name)
-                outs.append(("value", name, e.shape, e.dtype))
+                # Eager's strides: AOTAutograd rebuilds aliased outputs with them.
+                strides = tuple(_meta(a).stride()) if isinstance(a, torch.fx.Node) else None
+                outs.append(("value", name, e.shape, e.dtype, strides))
             elif isinstance(e, _Opaque):
                 outs.append(("opaque", e.name))
             else:

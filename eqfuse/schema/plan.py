@@ -65,6 +65,11 @@ class Buffer:
     shape: tuple
     dtype: str
     kind: str  # input | temp | output | external
+    strides: tuple | None = None  # None: contiguous (graph outputs keep eager's strides)
+
+    @property
+    def layout(self) -> tuple:
+        return self.strides if self.strides is not None else contiguous_strides(self.shape)
 
     @property
     def numel(self) -> int:

@@ -1,0 +1,36 @@
+"""Real transformer blocks through torch.compile(backend="eqfuse"): forward outputs and
+gradients after one backward match eager. Matmuls and attention run in eager for now
+(see fallbacks); everything around them is fused."""
+
+import pytest
+import torch
+
+import eqfuse.backend
+from eqfuse.models import GPT2Block, LlamaLayer
+
+
+def _run(model, x):
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    out.pow(2).mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("make", [LlamaLayer, GPT2Block], ids=["llama", "gpt2"])
+def test_block_forward_and_backward_match_eager(make):
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(2, 16, 64)
+    ref_out, ref_grads = _run(model, x)
+    out, grads = _run(torch.compile(model, backend="eqfuse"), x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+    graphs = list(eqfuse.backend.history)
+    # The backward always compiles; a forward may still run as traced (GPT-2's re-trace
+    # of a view after attention fails today: see the closing notes of issue 5).
+    assert graphs and graphs[-1].kernels and sum(len(g.kernels) for g in graphs) >= 8, \
+        [g.explain() for g in graphs]
