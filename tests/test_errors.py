@@ -77,3 +77,11 @@ def test_saturation_limit_is_reported_and_result_still_correct():
     c = eqfuse.compile(rmsnorm, (x, w), max_enodes=5)
     assert "e-node limit" in c.report["saturation"]["stop_reason"]
     assert_matches(c(x, w), rmsnorm(x, w))
+
+
+def test_inputs_on_several_devices_at_call_time_run_in_eager():
+    f = lambda x, y: x * y + 1
+    x, y = torch.randn(4, 4, device="cpu"), torch.tensor(2.0, device="cpu")
+    c = eqfuse.compile(f, (x, y))
+    out = c(x.to("meta"), y)  # a 0-dim CPU tensor beside a tensor elsewhere: eager, no error
+    assert out.device.type == "meta" and out.shape == (4, 4)

@@ -90,7 +90,11 @@ class CompiledGraph:
         sig = _signature(inputs)
         variant = self._variants.get(sig)
         if variant is None:
-            variant = self._variant(inputs)
+            try:
+                variant = self._variant(inputs)
+            except EqfuseError as e:  # inputs this graph cannot take: run them in eager
+                log.warning("eqfuse: these inputs run in eager: %s", e)
+                self._variants[sig] = variant = _EagerVariant(self.fn)
         return variant(*inputs)
 
     def _variant(self, inputs) -> _Variant:
@@ -105,6 +109,14 @@ class CompiledGraph:
         v = _Variant(self.fn, inputs, self.options)
         self._variants[_signature(inputs)] = v
         return v
+
+
+@dataclass
+class _EagerVariant:
+    fn: Callable
+
+    def __call__(self, *inputs):
+        return self.fn(*inputs)
 
 
 @dataclass
