@@ -78,6 +78,22 @@ def linear_of(env: Env) -> Idx:
     return Idx("(" + " + ".join(terms) + ")" if terms else "0", axes)
 
 
+def strided_offset(env: Env, strides, shape, offset: int = 0) -> Idx:
+    """The element offset of the point ``env`` in a tensor of ``shape`` laid out with
+    ``strides`` (broadcast and unit dims cost nothing)."""
+    if env.linear is not None and offset == 0 and tuple(strides) == contiguous_strides(shape):
+        return env.linear
+    terms, axes = [], frozenset()
+    for d, st, size in zip(env.dims, strides, shape):
+        if d.is_zero or st == 0 or size == 1:
+            continue
+        terms.append(d.expr if st == 1 else f"{d.expr} * {st}")
+        axes |= d.axes
+    if offset:
+        terms.append(str(offset))
+    return Idx(" + ".join(terms) if terms else "0", axes)
+
+
 def _squeezed(shape):
     return tuple(s for s in shape if s != 1)
 

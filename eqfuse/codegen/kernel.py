@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..errors import Unschedulable
 from ..schema import ops
-from ..schema.plan import KernelSpec, PNode, contiguous_strides
+from ..schema.plan import KernelSpec, PNode
 from .indexing import (
     ZERO,
     Env,
@@ -32,6 +32,7 @@ from .indexing import (
     reshape_env,
     shifted_env,
     slice_env,
+    strided_offset,
     unravel,
 )
 
@@ -175,18 +176,7 @@ class KernelWriter:
         buf, strides, offset = node.attrs
         if buf not in self.params:
             self.params.append(buf)
-        if env.linear is not None and offset == 0 and tuple(strides) == contiguous_strides(node.shape):
-            off = env.linear
-        else:
-            terms, axes = [], frozenset()
-            for d, st, size in zip(env.dims, strides, node.shape):
-                if d.is_zero or st == 0 or size == 1:
-                    continue
-                terms.append(d.expr if st == 1 else f"{d.expr} * {st}")
-                axes |= d.axes
-            if offset:
-                terms.append(str(offset))
-            off = Idx(" + ".join(terms) if terms else "0", axes)
+        off = strided_offset(env, strides, node.shape, offset)
         axes = off.axes | (env.guard.axes if env.guard is not None else frozenset())
         m = self.mask(axes, env.guard)
         ptr = f"{buf} + {off.expr}" if off.expr != "0" else buf
@@ -327,17 +317,7 @@ class KernelWriter:
     # --- the kernel ----------------------------------------------------------------------------
     def store(self, root: PNode, buf: str, env: Env):
         v = self.emit(root, env)
-        strides = self.buffers[buf].strides
-        if strides is None:
-            lin = env.linear if env.linear is not None else Idx("0")
-        else:  # eager's layout for a graph output
-            terms, axes = [], frozenset()
-            for d, st, size in zip(env.dims, strides, root.shape):
-                if d.is_zero or st == 0 or size == 1:
-                    continue
-                terms.append(d.expr if st == 1 else f"{d.expr} * {st}")
-                axes |= d.axes
-            lin = Idx(" + ".join(terms) if terms else "0", axes)
+        lin = strided_offset(env, self.buffers[buf].layout, root.shape)  # graph outputs: eager's strides
         axes = lin.axes
         block = {"x": "[XBLOCK]", "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]"}
         want = "".join(a for a in "xrc" if a in axes)
