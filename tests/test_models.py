@@ -34,3 +34,16 @@ def test_block_forward_and_backward_match_eager(make):
     # of a view after attention fails today: see the closing notes of issue 5).
     assert graphs and graphs[-1].kernels and sum(len(g.kernels) for g in graphs) >= 8, \
         [g.explain() for g in graphs]
+
+
+def test_training_example_follows_eager(capsys):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "examples" / "train_small.py"
+    spec = importlib.util.spec_from_file_location("train_small", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    module.main(steps=2)  # asserts the losses agree
+    assert "eqfuse loss" in capsys.readouterr().out
