@@ -30,10 +30,8 @@ def test_block_forward_and_backward_match_eager(make):
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
     graphs = list(eqfuse.backend.history)
-    # The backward always compiles; a forward may still run as traced (GPT-2's re-trace
-    # of a view after attention fails today: see the closing notes of issue 5).
-    assert graphs and graphs[-1].kernels and sum(len(g.kernels) for g in graphs) >= 8, \
-        [g.explain() for g in graphs]
+    assert len(graphs) == 2 and all(g.kernels for g in graphs), [g.explain() for g in graphs]
+    assert not any(f.node == "<graph>" for g in graphs for f in g.fallbacks), [g.explain() for g in graphs]
 
 
 def test_training_example_follows_eager(capsys):

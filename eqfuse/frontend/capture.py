@@ -31,7 +31,10 @@ def decomposition_table() -> dict:
         aten.hardtanh, aten.hardsigmoid, aten.hardswish, aten.mish, aten.softplus,
         aten.leaky_relu, aten.elu, aten.rms_norm, aten.tril, aten.triu,
     ]))
-    return table
+    # Attention stays one op (eager for now, see the attention issue): its decomposition
+    # gives outputs other strides than the fused op, and graphs traced around the fused op
+    # view them with those strides.
+    return {op: fn for op, fn in table.items() if "scaled_dot_product" not in str(op)}
 
 
 @dataclass
