@@ -110,12 +110,16 @@ def mismatch(plan: Plan, captured, fallback_runner) -> str | None:
         # The original function, not the decomposed trace: a decomposition is checked too.
         expected = captured.reference_outputs(inputs[:captured.num_user_inputs])
         got = evaluate(plan, inputs, fallback_runner)
-        return _first_difference(got, expected)
+        # An eager op's own outputs are not eqfuse's to check, and may differ run to run
+        # (the random-state outputs of attention on CUDA).
+        eager = {i for i, o in enumerate(plan.outputs)
+                 if o[0] == "opaque" or (o[0] == "view" and o[1].buf.startswith("ext"))}
+        return _first_difference(got, expected, eager)
 
 
-def _first_difference(got, expected) -> str | None:
+def _first_difference(got, expected, skip=frozenset()) -> str | None:
     for i, (g, e) in enumerate(zip(got, expected)):
-        if not isinstance(e, torch.Tensor):
+        if not isinstance(e, torch.Tensor) or i in skip:
             continue
         if g.shape != e.shape or g.dtype != e.dtype:
             return f"output {i}: {tuple(g.shape)} {g.dtype} instead of {tuple(e.shape)} {e.dtype}"
