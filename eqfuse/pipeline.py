@@ -4,7 +4,6 @@ to look at (``CompiledGraph.plan``, ``.source``, ``.report``)."""
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
@@ -58,9 +57,9 @@ def build(fn, example_inputs, options) -> dict:
         seconds["extract"] = time.perf_counter() - t0
         return plan, sat, ext_report
 
-    # egglog 13.2 now and then returns an e-node with another term's string argument
-    # (about one compile in a few hundred, in long test sessions). The parser rejects
-    # unknown ops and validation catches the rest: then build once more from scratch.
+    # A plan that fails validation, or an e-graph the parser finds inconsistent (egglog
+    # 13.2 once mixed up string arguments between terms: see terms.py), is built once
+    # more from scratch; then the graph runs in eager with the reason.
     problem = None
     for _attempt in range(2):
         try:
@@ -85,7 +84,6 @@ def build(fn, example_inputs, options) -> dict:
         if not problem:
             break
         result["report"].setdefault("retries", []).append(problem)
-        gc.collect()
     if problem:
         return eager(problem)
 
