@@ -12,6 +12,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(4, 16), (3, 1000), (2, 1)]
 
 
+def compiled_and_checked(ex, inputs):
+    """Compile an example for ``inputs`` and check one call against eager."""
+    compiled = eqfuse.compile(ex.fn, inputs)
+    assert_matches(compiled(*inputs), ex.fn(*inputs))
+    return compiled
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("name", list(EXAMPLES))
@@ -19,8 +26,7 @@ def test_example_matches_eager(name, shape, dtype):
     ex = EXAMPLES[name]
     torch.manual_seed(0)
     inputs = ex.make_inputs(*shape, dtype, DEVICE)
-    compiled = eqfuse.compile(ex.fn, inputs)
-    assert_matches(compiled(*inputs), ex.fn(*inputs))
+    compiled = compiled_and_checked(ex, inputs)
     assert len(compiled.kernels) == ex.kernels, compiled.explain()
     assert compiled.fallbacks == []
 
@@ -29,8 +35,7 @@ def test_example_matches_eager(name, shape, dtype):
 def test_width_1536_is_one_kernel(name):
     ex = EXAMPLES[name]
     inputs = ex.make_inputs(2, 1536, torch.float16, DEVICE)
-    compiled = eqfuse.compile(ex.fn, inputs)
-    assert_matches(compiled(*inputs), ex.fn(*inputs))
+    compiled = compiled_and_checked(ex, inputs)
     assert len(compiled.kernels) == 1
     k = compiled.kernels[0]
     if k.schedule.kind == "reduction":  # the whole row in one block, masked to 1536
@@ -43,8 +48,7 @@ def test_transposed_inputs(name):
     inputs = ex.make_inputs(12, 8, torch.float32, DEVICE)
     inputs = tuple(x.t().contiguous().t() if x.dim() == 2 else x for x in inputs)  # column-major
     assert not inputs[0].is_contiguous()
-    compiled = eqfuse.compile(ex.fn, inputs)
-    assert_matches(compiled(*inputs), ex.fn(*inputs))
+    compiled = compiled_and_checked(ex, inputs)
     assert len(compiled.kernels) == ex.kernels
 
 
@@ -53,16 +57,14 @@ def test_sliced_inputs(name):
     ex = EXAMPLES[name]
     big = ex.make_inputs(10, 40, torch.float32, DEVICE)
     inputs = tuple(x[1:9:2, 3:35] if x.dim() == 2 else x[3:35] for x in big)
-    compiled = eqfuse.compile(ex.fn, inputs)
-    assert_matches(compiled(*inputs), ex.fn(*inputs))
+    compiled_and_checked(ex, inputs)
 
 
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm", "vector_add", "residual_layernorm", "gelu"])
 def test_zero_rows(name):
     ex = EXAMPLES[name]
     inputs = ex.make_inputs(0, 16, torch.float32, DEVICE)
-    compiled = eqfuse.compile(ex.fn, inputs)
-    assert_matches(compiled(*inputs), ex.fn(*inputs))
+    compiled_and_checked(ex, inputs)
 
 
 def test_causal_softmax_masks_upper_triangle():

@@ -120,7 +120,7 @@ class KernelWriter:
 
     def mask(self, axes, guard: Idx | None = None) -> str | None:
         parts = []
-        if "x" in axes and self.s.numel % self.cfg_x_even != 0:
+        if "x" in axes and self.s.numel % self.xblock != 0:
             parts.append("xmask")
         if "r" in axes and not self.rows_even:
             parts.append("rmask")
@@ -333,14 +333,14 @@ class KernelWriter:
 
     def write(self, cfg: dict) -> str:
         s = self.s
-        self.cfg_x_even = cfg.get("XBLOCK", 1)
+        self.xblock = cfg.get("XBLOCK", 1)
         self.rows_even = s.kind == "reduction" and s.rows % cfg.get("BLOCK_R", 1) == 0
         self.cols_even = s.kind == "reduction" and s.persistent and s.cols == cfg.get("BLOCK_C", 0)
         head = []
         pid = f"tl.program_id(0){self.index_dtype_cast}"
         if s.kind == "pointwise":
             head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
-            if s.numel % self.cfg_x_even:
+            if s.numel % self.xblock:
                 head.append("xmask = xindex < xnumel")
             for root, buf in self.spec.roots:
                 self.store(root, buf, self.root_env(root))
