@@ -33,11 +33,78 @@ ZERO = Idx("0")
 
 
 @dataclass(frozen=True)
-class Split:
-    """The linear index is ``row * cols + col``: lets reshapes keep a row structure."""
-    row: Idx
-    col: Idx
-    cols: int
+class Digit:
+    """One digit of a mixed-radix index: ``(atom // lo) % size`` of a kernel index ``atom``
+    that runs over ``0 .. extent-1``."""
+    atom: Idx
+    extent: int
+    lo: int
+    size: int
+
+    def idx(self) -> Idx:
+        if self.size == 1:
+            return ZERO
+        e = self.atom.expr
+        if self.lo != 1:
+            e = f"({e} // {self.lo})"
+        if self.lo * self.size != self.extent:
+            e = f"({e} % {self.size})"
+        return Idx(e, self.atom.axes)
+
+
+def _merge(digits) -> tuple:
+    """Adjacent digits of one atom that are contiguous in it become one digit."""
+    out: list[Digit] = []
+    for d in digits:
+        if d.size == 1:
+            continue
+        prev = out[-1] if out else None
+        if prev is not None and prev.atom == d.atom and prev.lo == d.lo * d.size:
+            out[-1] = Digit(d.atom, d.extent, d.lo, prev.size * d.size)
+        else:
+            out.append(d)
+    return tuple(out)
+
+
+def _group_idx(group) -> Idx:
+    """The index of a dimension made of ``group`` (outer digit first)."""
+    if not group:
+        return ZERO
+    terms, axes, scale = [], frozenset(), 1
+    for d in reversed(group):
+        i = d.idx()
+        terms.append(i.expr if scale == 1 else f"{i.expr} * {scale}")
+        axes |= i.axes
+        scale *= d.size
+    return Idx(terms[0] if len(terms) == 1 else "(" + " + ".join(reversed(terms)) + ")", axes)
+
+
+def regroup(digits, shape) -> tuple | None:
+    """Split a mixed-radix index (``digits``, outer first) into one digit group per dim of
+    ``shape``; None where a dim does not fall on digit boundaries that divide evenly."""
+    pending = [d for d in digits if d.size != 1]
+    groups = []
+    for size in reversed(tuple(shape)):
+        group, need = [], int(size)
+        while need > 1:
+            if not pending:
+                return None
+            d = pending.pop()
+            if d.size <= need:
+                if need % d.size:
+                    return None
+                group.append(d)
+                need //= d.size
+            else:
+                if d.size % need:
+                    return None
+                group.append(Digit(d.atom, d.extent, d.lo, need))
+                pending.append(Digit(d.atom, d.extent, d.lo * need, d.size // need))
+                need = 1
+        groups.append(_merge(reversed(group)))
+    if pending:
+        return None
+    return tuple(reversed(groups))
 
 
 @dataclass(frozen=True)
@@ -45,25 +112,24 @@ class Env:
     shape: tuple
     dims: tuple  # Idx per dim
     linear: Idx | None = None
-    split: Split | None = None
+    # Per dim, the digits its index is made of: lets index maps compose exactly, so that
+    # a value reached through reshape -> permute -> reshape has the index it started with.
+    groups: tuple | None = None
     guard: Idx | None = None  # an extra condition under which loads are valid (cat branches)
+
+
+def env_of(atoms, shape, linear: Idx | None = None) -> Env:
+    """The environment over ``shape`` whose row-major linear index is the mixed-radix
+    number of ``atoms`` ((Idx, extent) pairs, outer first)."""
+    digits = [Digit(a, n, 1, n) for a, n in atoms]
+    groups = regroup(digits, shape)
+    assert groups is not None, (atoms, shape)
+    return Env(tuple(shape), tuple(_group_idx(g) for g in groups), linear, groups)
 
 
 def unravel(linear: Idx, shape) -> tuple:
     """Per-dim indices of a row-major linear index over ``shape``."""
-    dims = []
-    first = True
-    for k, size in enumerate(shape):
-        if size == 1:
-            dims.append(ZERO)
-            continue
-        stride = math.prod(shape[k + 1:])
-        e = linear.expr if stride == 1 else f"({linear.expr} // {stride})"
-        if not first:
-            e = f"({e} % {size})"
-        first = False
-        dims.append(Idx(e, linear.axes))
-    return tuple(dims)
+    return env_of([(linear, math.prod(shape))], shape).dims
 
 
 def linear_of(env: Env) -> Idx:
@@ -104,12 +170,15 @@ def reshape_env(env: Env, shape) -> Env:
     if shape == env.shape:
         return env
     if _squeezed(shape) == _squeezed(env.shape):
-        nonunit = iter(d for d, s in zip(env.dims, env.shape) if s != 1)
-        dims = tuple(ZERO if s == 1 else next(nonunit) for s in shape)
-        return replace(env, shape=shape, dims=dims)
-    if env.split is not None and shape and shape[-1] == env.split.cols:
-        sp = env.split
-        return replace(env, shape=shape, dims=unravel(sp.row, shape[:-1]) + (sp.col,))
+        nonunit = iter(k for k, s in enumerate(env.shape) if s != 1)
+        picks = [None if s == 1 else next(nonunit) for s in shape]
+        dims = tuple(ZERO if k is None else env.dims[k] for k in picks)
+        groups = None if env.groups is None else tuple(() if k is None else env.groups[k] for k in picks)
+        return replace(env, shape=shape, dims=dims, groups=groups)
+    if env.groups is not None:
+        groups = regroup([d for g in env.groups for d in g], shape)
+        if groups is not None:
+            return replace(env, shape=shape, dims=tuple(_group_idx(g) for g in groups), groups=groups)
     linear = linear_of(env)
     return Env(shape, unravel(linear, shape), linear, None, env.guard)
 
@@ -118,9 +187,12 @@ def broadcast_env(env: Env, src_shape) -> Env:
     """Operand environment of a broadcast from ``src_shape`` to ``env.shape``."""
     src_shape = tuple(src_shape)
     lead = len(env.shape) - len(src_shape)
+    if src_shape == env.shape:
+        return env
     dims = tuple(ZERO if s == 1 else env.dims[lead + k] for k, s in enumerate(src_shape))
-    same = src_shape == env.shape
-    return Env(src_shape, dims, env.linear if same else None, env.split if same else None, env.guard)
+    groups = None if env.groups is None else \
+        tuple(() if s == 1 else env.groups[lead + k] for k, s in enumerate(src_shape))
+    return Env(src_shape, dims, None, groups, env.guard)
 
 
 def permute_env(env: Env, perm, src_shape) -> Env:
@@ -129,7 +201,13 @@ def permute_env(env: Env, perm, src_shape) -> Env:
         dims[p] = env.dims[k]
     if list(perm) == sorted(perm):
         return env
-    return Env(tuple(src_shape), tuple(dims), None, None, env.guard)
+    groups = None
+    if env.groups is not None:
+        groups = [None] * len(perm)
+        for k, p in enumerate(perm):
+            groups[p] = env.groups[k]
+        groups = tuple(groups)
+    return Env(tuple(src_shape), tuple(dims), None, groups, env.guard)
 
 
 def slice_env(env: Env, dim, start, step, src_shape) -> Env:

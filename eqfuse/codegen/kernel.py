@@ -22,18 +22,16 @@ from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
 from .indexing import (
-    ZERO,
     Env,
     Idx,
-    Split,
     broadcast_env,
     env_key,
+    env_of,
     permute_env,
     reshape_env,
     shifted_env,
     slice_env,
     strided_offset,
-    unravel,
 )
 
 PERSISTENT_MAX = 16384  # widest row kept whole in registers
@@ -139,15 +137,15 @@ class KernelWriter:
         c = Idx("cindex", frozenset("c"))
         outer = self.s.reduce_shape[:-1]
         # A reduced axis of length 1 has index 0 everywhere: then rows and columns coincide.
-        full = Env(self.s.reduce_shape, unravel(r, outer) + (c if self.s.cols != 1 else ZERO,),
-                   Idx("(rindex * C + cindex)", frozenset("rc")), Split(r, c, self.s.cols))
-        row = Env(tuple(outer) + (1,), unravel(r, outer) + (ZERO,), r, Split(r, ZERO, 1))
+        full = env_of([(r, self.s.rows), (c, self.s.cols)], self.s.reduce_shape,
+                      Idx("(rindex * C + cindex)", frozenset("rc")))
+        row = env_of([(r, self.s.rows)], tuple(outer) + (1,), r)
         return full, row
 
     def root_env(self, root: PNode) -> Env:
         if self.s.kind == "pointwise":
             x = Idx("xindex", frozenset("x"))
-            return Env(root.shape, unravel(x, root.shape), x, None)
+            return env_of([(x, root.numel)], root.shape, x)
         full, row = self.base_envs()
         base = full if root.numel == self.s.rows * self.s.cols else row
         return reshape_env(base, root.shape) if root.shape != base.shape else base
