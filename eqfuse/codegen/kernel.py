@@ -1,13 +1,18 @@
 """One kernel of the plan -> one ``@triton.jit`` function.
 
-Two schedules:
+Three schedules:
 
 * pointwise: a flat index over the output, ``XBLOCK`` elements per program;
 * row reduction: ``BLOCK_R`` rows per program and the reduced axis of length ``C``
   either whole in registers (persistent: ``BLOCK_C >= C``) or walked in ``BLOCK_C``
   chunks, one loop per reduction stage (looped). Every reduction in a kernel is over the
   same rows; a reduction reached through an index map that does not keep the rows raises
-  ``Unschedulable``, which extraction uses as its legality check.
+  ``Unschedulable``, which extraction uses as its legality check;
+* matmul: a ``BLOCK_M x BLOCK_N`` output tile per program (grouped along M so that
+  neighbouring programs share operand tiles in L2), one loop over K in ``BLOCK_K`` steps
+  that feeds every product of the kernel (``tl.dot``, float32 accumulators). Operands are
+  computed inside the loop as their tiles are loaded (prologue); the rest of the kernel
+  is computed on the accumulators (epilogue). Batch dims are the grid's second axis.
 
 Float values narrower than float32 are computed in float32 and rounded where the graph
 casts them and when they are stored.
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
+from . import tiles
 from .indexing import (
     Env,
     Idx,
@@ -36,6 +42,8 @@ from .indexing import (
 
 PERSISTENT_MAX = 16384  # widest row kept whole in registers
 LOOP_BLOCK = 2048
+LAUNCH_OPTIONS = ("num_warps", "num_stages")  # config keys passed at launch, not as constexprs
+MATMUL_FINALISTS = 6  # tile configurations the GPU autotuner times, best modelled first
 
 
 def next_pow2(n: int) -> int:
@@ -44,20 +52,74 @@ def next_pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class Schedule:
-    kind: str  # pointwise | reduction
+    kind: str  # pointwise | reduction | matmul
     numel: int = 0  # pointwise
     rows: int = 0  # reduction
     cols: int = 0
     reduce_shape: tuple = ()
     persistent: bool = True
+    batch: tuple = ()  # matmul: [*batch, M, N] = [*batch, M, K] x [*batch, K, N]
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    dot_dtype: str = ""
+    dots: int = 0
 
     @property
-    def grid_size(self) -> int:
-        return self.numel if self.kind == "pointwise" else self.rows
+    def sizes(self) -> dict:
+        """The size constexprs of the kernel."""
+        if self.kind == "pointwise":
+            return {"xnumel": self.numel}
+        if self.kind == "reduction":
+            return {"R": self.rows, "C": self.cols}
+        return {"M": self.m, "N": self.n, "K": self.k}
+
+    def describe(self) -> str:
+        if self.kind == "pointwise":
+            return f"pointwise over {self.numel} elements"
+        if self.kind == "reduction":
+            how = "whole row in registers" if self.persistent else "looped"
+            return f"{self.rows} rows x {self.cols} reduced ({how})"
+        batch = f"{math.prod(self.batch)} x " if self.batch else ""
+        products = f", {self.dots} products" if self.dots > 1 else ""
+        return f"matmul {batch}[{self.m} x {self.k}] @ [{self.k} x {self.n}] {self.dot_dtype}{products}"
+
+    def grid(self, cfg: dict) -> tuple:
+        if self.kind == "pointwise":
+            return (-(-self.numel // cfg["XBLOCK"]),)
+        if self.kind == "reduction":
+            return (-(-self.rows // cfg["BLOCK_R"]),)
+        tiles = -(-self.m // cfg["BLOCK_M"]) * -(-self.n // cfg["BLOCK_N"])
+        return (tiles, math.prod(self.batch))
+
+
+MAX_GRID_Y = 65535
+
+
+def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
+    if any(n.op == "reduce" for n in spec.walk()):
+        raise Unschedulable("a reduction in a matmul kernel")
+    forms = {(d.shape, d.args[0].shape[-1], d.args[0].dtype) for d in dots}
+    if len(forms) != 1:
+        raise Unschedulable("matmuls of different shapes in one kernel")
+    (shape, k, dtype), = forms
+    for d in dots:
+        if any(x.op == "dot" for operand in d.args for x in operand.walk()):
+            raise Unschedulable("a matmul inside another matmul's operand")
+    for root, _ in spec.roots:
+        if root.numel != math.prod(shape):
+            raise Unschedulable(f"a root of {root.numel} elements in a matmul over {list(shape)}")
+    batch = tuple(shape[:-2])
+    if math.prod(batch) > MAX_GRID_Y:
+        raise Unschedulable(f"a batch of {math.prod(batch)} matmuls (the grid takes {MAX_GRID_Y})")
+    return Schedule("matmul", batch=batch, m=shape[-2], n=shape[-1], k=k, dot_dtype=dtype, dots=len(dots))
 
 
 def schedule_of(spec: KernelSpec) -> Schedule:
     nodes = spec.walk()
+    dots = [n for n in nodes if n.op == "dot"]
+    if dots:
+        return _matmul_schedule(spec, dots)
     reduces = [n for n in nodes if n.op == "reduce"]
     if not reduces:
         sizes = {root.numel for root, _ in spec.roots}
@@ -94,6 +156,8 @@ class KernelWriter:
         self.memo_loop: dict = {}
         self.n = 0
         self.params: list[str] = []  # buffer names, in signature order
+        self.loop_axes = frozenset("kj") if sched.kind == "matmul" else frozenset("c")
+        self.uneven: dict[str, str] = {}  # axis -> the name of its mask, where blocks overhang
         big = any(self.buffers[b].numel >= 2**31 for b in self._buffer_names())
         self.index_dtype_cast = ".to(tl.int64)" if big else ""
 
@@ -107,9 +171,11 @@ class KernelWriter:
         self.n += 1
         return f"{prefix}{self.n}"
 
+    def in_loop(self, axes) -> bool:
+        return self.loop is not None and bool(self.loop_axes & axes)
+
     def line(self, text: str, axes):
-        target = self.loop if (self.loop is not None and "c" in axes) else self.lines
-        target.append(text)
+        (self.loop if self.in_loop(axes) else self.lines).append(text)
 
     def assign(self, expr: str, axes, prefix="t") -> Val:
         name = self.fresh(prefix)
@@ -117,13 +183,7 @@ class KernelWriter:
         return Val(name, frozenset(axes))
 
     def mask(self, axes, guard: Idx | None = None) -> str | None:
-        parts = []
-        if "x" in axes and self.s.numel % self.xblock != 0:
-            parts.append("xmask")
-        if "r" in axes and not self.rows_even:
-            parts.append("rmask")
-        if "c" in axes and not self.cols_even:
-            parts.append("cmask")
+        parts = [m for a, m in self.uneven.items() if a in axes]
         if guard is not None:
             parts.append(guard.expr)
         return " & ".join(parts) if parts else None
@@ -142,10 +202,22 @@ class KernelWriter:
         row = env_of([(r, self.s.rows)], tuple(outer) + (1,), r)
         return full, row
 
+    def matmul_envs(self):
+        """Environments of the output tile and of the two operand tiles."""
+        s = self.s
+        b = (Idx("bindex", frozenset("b")), math.prod(s.batch))
+        m, n = (Idx("mindex", frozenset("m")), s.m), (Idx("nindex", frozenset("n")), s.n)
+        ka, kb = (Idx("kindex_a", frozenset("k")), s.k), (Idx("kindex_b", frozenset("j")), s.k)
+        return (env_of([b, m, n], s.batch + (s.m, s.n)),
+                env_of([b, m, ka], s.batch + (s.m, s.k)),
+                env_of([b, kb, n], s.batch + (s.k, s.n)))
+
     def root_env(self, root: PNode) -> Env:
         if self.s.kind == "pointwise":
             x = Idx("xindex", frozenset("x"))
             return env_of([(x, root.numel)], root.shape, x)
+        if self.s.kind == "matmul":
+            return reshape_env(self.matmul_envs()[0], root.shape)
         full, row = self.base_envs()
         base = full if root.numel == self.s.rows * self.s.cols else row
         return reshape_env(base, root.shape) if root.shape != base.shape else base
@@ -166,11 +238,11 @@ class KernelWriter:
         if tuple(env.shape) != tuple(node.shape):
             raise AssertionError(f"{node.op} of shape {node.shape} evaluated at {env.shape}")
         val = getattr(self, f"_emit_{node.op}")(node, env)
-        memo = self.memo_loop if (self.loop is not None and "c" in val.axes) else self.memo_outer
+        memo = self.memo_loop if self.in_loop(val.axes) else self.memo_outer
         memo[key] = val
         return val
 
-    def _emit_load(self, node, env):
+    def _emit_load(self, node, env, upcast: bool = True):
         buf, strides, offset = node.attrs
         if buf not in self.params:
             self.params.append(buf)
@@ -179,8 +251,7 @@ class KernelWriter:
         m = self.mask(axes, env.guard)
         ptr = f"{buf} + {off.expr}" if off.expr != "0" else buf
         text = f"tl.load({ptr}, mask={m}, other=0)" if m else f"tl.load({ptr})"
-        dt = node.dtype
-        if dt in ops.NARROW_FLOATS:
+        if upcast and node.dtype in ops.NARROW_FLOATS:
             text += ".to(tl.float32)"
         return self.assign(text, axes, "x" if "x" in axes else "v")
 
@@ -265,6 +336,61 @@ class KernelWriter:
         vb = self.emit(b, shifted_env(env, dim, n0, b.shape, second))
         return self.assign(f"tl.where({first.expr}, {va.expr}, {vb.expr})", va.axes | vb.axes | d.axes)
 
+    def _emit_dot(self, node, env):
+        # Every product is computed up front at the output tile (emit_dots); reaching one
+        # anywhere else means an index map moves the tile.
+        raise Unschedulable("a matmul reached through an index map that moves its output tile")
+
+    def emit_dots(self):
+        """One loop over K that feeds every product of the kernel."""
+        out_env, a_env, b_env = self.matmul_envs()
+        dots = [n for n in self.spec.walk() if n.op == "dot"]
+        accs = [self.fresh("acc") for _ in dots]
+        for acc in accs:
+            self.lines.append(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
+        self.open_loop()
+        for d, acc in zip(dots, accs):
+            a = self.dot_operand(d.args[0], a_env, ("m", "k"), "[BLOCK_M, BLOCK_K]")
+            b = self.dot_operand(d.args[1], b_env, ("j", "n"), "[BLOCK_K, BLOCK_N]")
+            self.loop.append(f"{acc} = tl.dot({a}, {b}, {acc}{self.dot_precision()})")
+        self.close_loop()
+        for d, acc in zip(dots, accs):
+            self.memo_outer[(id(d), env_key(out_env))] = Val(acc, frozenset("mn"))
+
+    def dot_precision(self) -> str:
+        if self.s.dot_dtype != "float32":
+            return ""
+        import torch
+        return ', input_precision="tf32"' if torch.backends.cuda.matmul.allow_tf32 else ', input_precision="ieee"'
+
+    def dot_operand(self, node, env, axes, block) -> str:
+        """An operand tile in the dot's input dtype. A plain read (through index maps only)
+        is loaded as stored; a computed operand (prologue) is computed in float32, zeroed
+        past the end of K (the other side's padding may not be finite) and rounded."""
+        base, benv = node, env
+        while base.op in ("broadcast", "reshape", "permute"):
+            benv = {"broadcast": lambda: broadcast_env(benv, base.args[0].shape),
+                    "reshape": lambda: reshape_env(benv, base.args[0].shape),
+                    "permute": lambda: permute_env(benv, base.attrs[0], base.args[0].shape)}[base.op]()
+            base = base.args[0]
+        want = self.s.dot_dtype
+        raw = base.op == "load" and base.dtype == want
+        key = ("operand", id(node), env_key(env))
+        if key in self.memo_loop:
+            return self.memo_loop[key].expr
+        v = self._emit_load(base, benv, upcast=False) if raw else self.emit(node, env)
+        expr = v.expr
+        kaxis = axes[0] if axes[0] in "kj" else axes[1]
+        if not raw and kaxis in self.uneven:
+            expr = f"tl.where({self.uneven[kaxis]}, {expr}, 0.0)"
+        if not (set(axes) <= v.axes):
+            expr = f"tl.broadcast_to({expr}, {block})" if v.axes else f"tl.full({block}, {expr}, tl.float32)"
+        if not raw:
+            expr = f"({expr}).to({ops.TRITON_DTYPES[want]})"
+        out = v if expr == v.expr else self.assign(expr, frozenset(axes), "a" if "m" in axes else "b")
+        self.memo_loop[key] = out
+        return out.expr
+
     def _emit_reduce(self, node, env):
         if self.s.kind != "reduction":
             raise Unschedulable("reduction in a pointwise kernel")
@@ -306,10 +432,17 @@ class KernelWriter:
         body = self.loop
         self.loop = None
         self.memo_loop = {}
-        self.lines.append("for c0 in range(0, C, BLOCK_C):")
-        self.lines.append("    cindex = c0 + tl.arange(0, BLOCK_C)[None, :]")
-        if not self.cols_even:
-            self.lines.append("    cmask = cindex < C")
+        if self.s.kind == "matmul":
+            head = ["for k0 in range(0, K, BLOCK_K):",
+                    "    kindex_a = k0 + tl.arange(0, BLOCK_K)[None, :]",
+                    "    kindex_b = k0 + tl.arange(0, BLOCK_K)[:, None]"]
+            if "k" in self.uneven:
+                head += ["    kmask_a = kindex_a < K", "    kmask_b = kindex_b < K"]
+        else:
+            head = ["for c0 in range(0, C, BLOCK_C):", "    cindex = c0 + tl.arange(0, BLOCK_C)[None, :]"]
+            if "c" in self.uneven:
+                head.append("    cmask = cindex < C")
+        self.lines.extend(head)
         self.lines.extend("    " + b for b in body)
 
     # --- the kernel ----------------------------------------------------------------------------
@@ -317,10 +450,11 @@ class KernelWriter:
         v = self.emit(root, env)
         lin = strided_offset(env, self.buffers[buf].layout, root.shape)  # graph outputs: eager's strides
         axes = lin.axes
-        block = {"x": "[XBLOCK]", "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]"}
-        want = "".join(a for a in "xrc" if a in axes)
+        block = {"x": "[XBLOCK]", "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]",
+                 "m": "[BLOCK_M, 1]", "n": "[1, BLOCK_N]", "mn": "[BLOCK_M, BLOCK_N]"}
+        want = "".join(a for a in "xrcmn" if a in axes)
         expr = v.expr
-        if want and set(v.axes) != set(axes):
+        if want and not set(want) <= set(v.axes):
             expr = f"tl.where(tl.full({block[want]}, 1, tl.int1), {expr}, {expr})"
         if buf not in self.params:
             self.params.append(buf)
@@ -331,24 +465,32 @@ class KernelWriter:
 
     def write(self, cfg: dict) -> str:
         s = self.s
-        self.xblock = cfg.get("XBLOCK", 1)
-        self.rows_even = s.kind == "reduction" and s.rows % cfg.get("BLOCK_R", 1) == 0
-        self.cols_even = s.kind == "reduction" and s.persistent and s.cols == cfg.get("BLOCK_C", 0)
         head = []
         pid = f"tl.program_id(0){self.index_dtype_cast}"
         if s.kind == "pointwise":
+            if s.numel % cfg["XBLOCK"]:
+                self.uneven["x"] = "xmask"
             head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
-            if s.numel % self.xblock:
+            if "x" in self.uneven:
                 head.append("xmask = xindex < xnumel")
             for root, buf in self.spec.roots:
                 self.store(root, buf, self.root_env(root))
+        elif s.kind == "matmul":
+            head += self.matmul_head(cfg)
+            self.emit_dots()
+            for root, buf in self.spec.roots:
+                self.store(root, buf, self.root_env(root))
         else:
+            if s.rows % cfg["BLOCK_R"]:
+                self.uneven["r"] = "rmask"
+            if not (s.persistent and s.cols == cfg["BLOCK_C"]):
+                self.uneven["c"] = "cmask"
             head.append(f"rindex = {pid} * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
-            if not self.rows_even:
+            if "r" in self.uneven:
                 head.append("rmask = rindex < R")
             if s.persistent:
                 head.append("cindex = tl.arange(0, BLOCK_C)[None, :]")
-                if not self.cols_even:
+                if "c" in self.uneven:
                     head.append("cmask = cindex < C")
             full_roots = [(r, b) for r, b in self.spec.roots if r.numel == s.rows * s.cols and s.cols != 1]
             row_roots = [(r, b) for r, b in self.spec.roots if (r, b) not in full_roots]
@@ -364,17 +506,41 @@ class KernelWriter:
                     self.store(root, buf, self.root_env(root))
                 if not s.persistent:
                     self.close_loop()
-        params = [f"{p}" for p in self.params]
-        if s.kind == "pointwise":
-            params += ["xnumel: tl.constexpr", "XBLOCK: tl.constexpr"]
-        else:
-            params += ["R: tl.constexpr", "C: tl.constexpr", "BLOCK_R: tl.constexpr", "BLOCK_C: tl.constexpr"]
+        params = list(self.params) + [f"{k}: tl.constexpr" for k in s.sizes]
+        params += [f"{k}: tl.constexpr" for k in cfg if k not in LAUNCH_OPTIONS]
         doc = ", ".join(self.spec.fx_nodes) or "(no FX node)"
         body = head + self.lines
         out = ["@triton.jit", f"def {self.spec.name}({', '.join(params)}):",
                f'    """FX nodes: {doc}"""']
         out += ["    " + b for b in body]
         return "\n".join(out) + "\n"
+
+
+    def matmul_head(self, cfg: dict) -> list[str]:
+        """Program -> output tile, in groups of GROUP_M tile-rows: programs that run together
+        read the same operand tiles, which then come from L2."""
+        s = self.s
+        for axis, size, blk, name in (("m", s.m, "BLOCK_M", "mmask"), ("n", s.n, "BLOCK_N", "nmask"),
+                                      ("k", s.k, "BLOCK_K", "kmask_a"), ("j", s.k, "BLOCK_K", "kmask_b")):
+            if size % cfg[blk]:
+                self.uneven[axis] = name
+        cast = self.index_dtype_cast
+        head = ["pid = tl.program_id(0)",
+                "tiles_m = tl.cdiv(M, BLOCK_M)",
+                "tiles_n = tl.cdiv(N, BLOCK_N)",
+                "group = pid // (GROUP_M * tiles_n)",
+                "group_rows = tl.minimum(tiles_m - group * GROUP_M, GROUP_M)",
+                "pid_m = group * GROUP_M + (pid % (GROUP_M * tiles_n)) % group_rows",
+                "pid_n = (pid % (GROUP_M * tiles_n)) // group_rows",
+                f"mindex = pid_m{cast} * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
+                f"nindex = pid_n{cast} * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"]
+        if s.batch:
+            head.append(f"bindex = tl.program_id(1){cast}")
+        if "m" in self.uneven:
+            head.append("mmask = mindex < M")
+        if "n" in self.uneven:
+            head.append("nmask = nindex < N")
+        return head
 
 
 def _direct_reduces(node: PNode) -> list[PNode]:
@@ -417,6 +583,8 @@ def literal(value, dtype: str) -> str:
 
 def default_config(sched: Schedule) -> dict:
     """Block sizes and warps for the shapes this kernel was compiled for."""
+    if sched.kind == "matmul":
+        return tiles.ranked(sched)[0]
     if sched.kind == "pointwise":
         xblock = min(1024, max(16, next_pow2(sched.numel)))
         return {"XBLOCK": xblock, "num_warps": max(1, min(4, xblock // 256))}
@@ -432,6 +600,8 @@ def default_config(sched: Schedule) -> dict:
 def fits(sched: Schedule, cfg: dict) -> bool:
     """Whether a configuration is one this schedule can run with (a tuned config read back
     from a cache is checked, never trusted)."""
+    if sched.kind == "matmul":
+        return cfg in tiles.candidates(sched)
     if sched.kind == "pointwise":
         return set(cfg) == {"XBLOCK", "num_warps"}
     if set(cfg) != {"BLOCK_R", "BLOCK_C", "num_warps"}:
@@ -443,6 +613,8 @@ def fits(sched: Schedule, cfg: dict) -> bool:
 
 def tuning_candidates(sched: Schedule) -> list[dict]:
     """Alternatives the GPU autotuner times (the default first)."""
+    if sched.kind == "matmul":
+        return tiles.ranked(sched)[:MATMUL_FINALISTS]
     base = default_config(sched)
     cands = [base]
     if sched.kind == "pointwise":

@@ -31,7 +31,7 @@ class KernelInfo:
     fx_nodes: list
     constexprs: dict
     grid: tuple
-    num_warps: int
+    launch: dict  # num_warps, num_stages
     schedule: kgen.Schedule
     params: list = field(default_factory=list)
     spec: KernelSpec | None = None
@@ -42,15 +42,9 @@ class KernelInfo:
 
 def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> KernelInfo:
     text, sched, cfg, params = kgen.generate(spec, buffers, cfg)
-    cfg = dict(cfg)
-    warps = cfg.pop("num_warps")
-    if sched.kind == "pointwise":
-        constexprs = {"xnumel": sched.numel, **cfg}
-        grid = (-(-sched.numel // cfg["XBLOCK"]),)
-    else:
-        constexprs = {"R": sched.rows, "C": sched.cols, **cfg}
-        grid = (-(-sched.rows // cfg["BLOCK_R"]),)
-    return KernelInfo(spec.name, text, list(spec.fx_nodes), constexprs, grid, warps, sched, params, spec)
+    launch = {k: v for k, v in cfg.items() if k in kgen.LAUNCH_OPTIONS}
+    constexprs = {**sched.sizes, **{k: v for k, v in cfg.items() if k not in kgen.LAUNCH_OPTIONS}}
+    return KernelInfo(spec.name, text, list(spec.fx_nodes), constexprs, sched.grid(cfg), launch, sched, params, spec)
 
 
 def generate_module(plan: Plan, title: str, version: str, configs: dict | None = None):
@@ -79,11 +73,11 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
                         body.append(f"{buf} = torch.empty_strided({tuple(b.shape)!r}, {tuple(b.strides)!r}, "
                                     f"dtype={ops.DTYPES[b.dtype]}, device=DEVICE)")
                     allocated.add(buf)
-            if info.grid[0] == 0:
+            if 0 in info.grid:
                 body.append(f"# {info.name}: nothing to compute (zero-size)")
                 continue
-            kw = ", ".join(f"{k}={v}" for k, v in info.constexprs.items())
-            body.append(f"{info.name}[{info.grid!r}]({', '.join(info.params)}, {kw}, num_warps={info.num_warps})")
+            kw = ", ".join(f"{k}={v}" for k, v in {**info.constexprs, **info.launch}.items())
+            body.append(f"{info.name}[{info.grid!r}]({', '.join(info.params)}, {kw})")
         else:
             assert isinstance(step, FallbackStep)
             refs = sorted(_referenced(step))

@@ -22,6 +22,18 @@ class Device:
     bandwidth_bytes_per_us: float = 3.5e6  # 3.5 TB/s
     launch_us: float = 3.0
     ops_per_us: float = 2.0e7  # pointwise cost units (about one flop each) per microsecond
+    sms: int = 132
+    l2_speedup: float = 2.5  # L2 bandwidth over HBM bandwidth
+    # Dense matmul flops per microsecond that Triton kernels reach (not the datasheet peak).
+    half_flops_per_us: float = 6.5e8  # float16 / bfloat16
+    tf32_flops_per_us: float = 3.0e8
+    fp32_flops_per_us: float = 4.0e7  # IEEE float32 on the CUDA cores
+
+    def tensor_flops_per_us(self, dtype: str) -> float:
+        if dtype in ("float16", "bfloat16"):
+            return self.half_flops_per_us
+        import torch
+        return self.tf32_flops_per_us if torch.backends.cuda.matmul.allow_tf32 else self.fp32_flops_per_us
 
 
 DEFAULT_DEVICE = Device()
@@ -44,22 +56,40 @@ def kernel_bytes(spec: KernelSpec, buffers: dict) -> int:
     return sum(reads.values()) + writes
 
 
+OPERAND_TILE = 128  # a matmul operand is computed once per output tile it meets
+
+
 def kernel_compute(spec: KernelSpec) -> float:
+    """Pointwise work, in cost units. A matmul's operand (prologue) counts once per output
+    tile that reads it: about N / 128 times for the left operand, M / 128 for the right."""
+    repeat: dict[int, int] = {}
+    for d in (n for n in spec.walk() if n.op == "dot"):
+        m, n_ = d.shape[-2], d.shape[-1]
+        for operand, times in ((d.args[0], math.ceil(n_ / OPERAND_TILE)), (d.args[1], math.ceil(m / OPERAND_TILE))):
+            for x in operand.walk():
+                repeat[id(x)] = max(repeat.get(id(x), 1), times)
     total = 0.0
     for n in spec.walk():
         if n.op == "unary":
-            total += ops.UNARY[n.attrs[0]].cost * n.numel
+            work = ops.UNARY[n.attrs[0]].cost * n.numel
         elif n.op == "binary":
-            total += ops.BINARY[n.attrs[0]].cost * n.numel
+            work = ops.BINARY[n.attrs[0]].cost * n.numel
         elif n.op in ("where", "cast"):
-            total += 0.5 * n.numel
+            work = 0.5 * n.numel
         elif n.op == "reduce":
-            total += n.args[0].numel
+            work = n.args[0].numel
+        else:
+            continue
+        total += work * repeat.get(id(n), 1)
     return total
 
 
 def kernel_time_us(spec: KernelSpec, buffers: dict, device: Device = DEFAULT_DEVICE,
-                   passes: int = 1) -> float:
+                   passes: int = 1, sched=None) -> float:
     memory = passes * kernel_bytes(spec, buffers) / device.bandwidth_bytes_per_us
     compute = kernel_compute(spec) / device.ops_per_us
+    if sched is not None and sched.kind == "matmul":
+        from ..codegen import tiles
+        best = tiles.ranked(sched, device)
+        compute += tiles.modelled_time_us(sched, best[0], device) if best else math.inf
     return device.launch_us + max(memory, compute)

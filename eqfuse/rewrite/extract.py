@@ -30,7 +30,11 @@ from .cost import DEFAULT_DEVICE, Device, kernel_time_us
 from .egraph_json import EGraphView, ENode
 
 OP_COST = {"Load": 1.0, "LoadStrided": 1.0, "Const": 0.01, "Iota": 0.1, "Where": 1.0, "Cast": 0.5,
-           "Reduce": 2.0, "Broadcast": 0.05, "Reshape": 0.05, "Permute": 0.05, "Slice": 0.05, "Cat": 1.0}
+           "Reduce": 2.0, "Broadcast": 0.05, "Reshape": 0.05, "Permute": 0.05, "Slice": 0.05, "Cat": 1.0,
+           "Dot": 2.0}
+# A matmul kernel evaluates its operands once per output tile they meet: an operand of
+# [M, K] is computed about N / DOT_TILE times. Work moves to the epilogue when that is cheaper.
+DOT_TILE = 128
 
 
 def node_cost(n: ENode) -> float:
@@ -112,6 +116,9 @@ class Extractor:
         if op == "Reduce":
             x = t(a[1])
             return x and (x[0][:-1] + (1,), x[1])
+        if op == "Dot":
+            x, y = t(a[0]), t(a[1])
+            return x and y and (x[0][:-1] + y[0][-1:], x[1])
         if op in ("Broadcast", "Reshape"):
             x = t(a[0])
             return x and (tuple(a[1]), x[1])
@@ -164,7 +171,21 @@ class Extractor:
             return []
         return [a for a in n.args if isinstance(a, str) and self.g.is_value(a)]
 
+    def _work(self, c, n: ENode) -> tuple[float, list[float]]:
+        """Elements node ``n`` of class ``c`` computes, and how often each child is evaluated
+        per use (more than once for a matmul operand)."""
+        ty = self.types.get(c)
+        shape = ty[0] if ty else ()
+        size = max(1, math.prod(shape))
+        kids = self.value_children(n)
+        if n.op == "Dot" and len(shape) >= 2:
+            m, nn = shape[-2], shape[-1]
+            return size, [math.ceil(nn / DOT_TILE), math.ceil(m / DOT_TILE)]
+        return size, [1.0] * len(kids)
+
     def _inline_choices(self) -> dict[str, ENode]:
+        """Per class, its cheapest inline form: cost is work (op cost x elements) summed
+        over the tree, so that among equal forms the one computing on fewer elements wins."""
         cost = {c: math.inf for c in self.g.classes if self.g.is_value(c)}
         best: dict[str, ENode] = {}
         changed = True
@@ -174,8 +195,9 @@ class Extractor:
                 for n in self.g.classes[c]:
                     if self.is_self_load(n):
                         continue
-                    total = node_cost(n) + sum(cost[k] for k in self.value_children(n))
-                    if total < cost[c] - 1e-12:
+                    size, reuse = self._work(c, n)
+                    total = node_cost(n) * size + sum(cost[k] * r for k, r in zip(self.value_children(n), reuse))
+                    if total < cost[c] * (1 - 1e-9):
                         cost[c], best[c] = total, n
                         changed = True
         return best
@@ -290,7 +312,7 @@ class Extractor:
                     generate(spec, buffers)
                     passes = 1 if sched.kind == "pointwise" or sched.persistent else \
                         1 + sum(1 for n in spec.walk() if n.op == "reduce")
-                    memo[key] = (kernel_time_us(spec, buffers, self.device, passes), None)
+                    memo[key] = (kernel_time_us(spec, buffers, self.device, passes, sched), None)
                 except Unschedulable as e:
                     memo[key] = (math.inf, str(e))
             t, reason = memo[key]
@@ -377,6 +399,8 @@ class Extractor:
                 p = PNode("slice", (a[1], a[2], a[3]), (build(a[0]),), shape, dtype, c)
             elif n.op == "Cat":
                 p = PNode("cat", (a[2],), (build(a[0]), build(a[1])), shape, dtype, c)
+            elif n.op == "Dot":
+                p = PNode("dot", (), (build(a[0]), build(a[1])), shape, dtype, c)
             else:
                 raise ExtractionError(f"unknown e-node {n.op}")
             memo[c] = p

@@ -61,6 +61,8 @@ def _eval(node: PNode, buffers: dict, memo: dict, device) -> torch.Tensor:
         v = a[0][tuple(index)]
     elif op == "cat":
         v = torch.cat([a[0], a[1]], at[0])
+    elif op == "dot":
+        v = torch.matmul(a[0], a[1])
     else:  # pragma: no cover - every plan op is listed above
         raise AssertionError(op)
     memo[id(node)] = v

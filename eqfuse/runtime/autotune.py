@@ -42,7 +42,7 @@ def autotune(plan, infos, title, version, example_inputs, constants) -> dict:
     pending = []
     for info in infos:
         # The source does not hold the sizes (they are constexpr arguments): key on them too.
-        sizes = {k: v for k, v in info.constexprs.items() if k in ("xnumel", "R", "C")}
+        sizes = {**info.schedule.sizes, "grid": list(info.schedule.grid(info.constexprs)[1:])}
         dtypes = [plan.buffers[p].dtype for p in info.params]
         key = cache_key(info.source, sizes, dtypes, device, version)
         if key in store:
@@ -71,7 +71,7 @@ def autotune(plan, infos, title, version, example_inputs, constants) -> dict:
             args = [tensors[p] for p in ti.params]
 
             def launch(fn=fn, ti=ti, args=args):
-                fn[ti.grid](*args, **ti.constexprs, num_warps=ti.num_warps)
+                fn[ti.grid](*args, **ti.constexprs, **ti.launch)
             try:
                 t = triton.testing.do_bench(launch, warmup=10, rep=40, return_mode="median")
             except Exception:  # a config the compiler rejects (too many registers...)

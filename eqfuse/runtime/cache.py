@@ -73,6 +73,9 @@ def load_module(key: str, source: str, interpret: bool):
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    if interpret:
+        from . import interpreter_fixes
+        interpreter_fixes.apply()
     with _interpreter(interpret):
         spec.loader.exec_module(module)
     sys.modules[name] = module

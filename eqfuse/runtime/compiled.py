@@ -169,11 +169,7 @@ class _Variant:
             lines.append(f"  modelled time: {e['plan_cost_us']} us fused vs {e['unfused_cost_us']} us "
                          "one kernel per op")
         for k in self.kernels:
-            sched = k.schedule
-            how = "whole row in registers" if sched.persistent else "looped"
-            shape = (f"pointwise over {sched.numel} elements" if sched.kind == "pointwise" else
-                     f"{sched.rows} rows x {sched.cols} reduced ({how})")
-            lines.append(f"  kernel {k.name}: {shape}; grid {k.grid}, {k.constexprs}")
+            lines.append(f"  kernel {k.name}: {k.schedule.describe()}; grid {k.grid}, {k.constexprs}")
             lines.append(f"      computes FX nodes: {', '.join(k.fx_nodes) or '-'}")
         for f in self.fallbacks:
             lines.append(f"  eager: {f}")

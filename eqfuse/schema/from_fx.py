@@ -193,9 +193,11 @@ class Translator:
             return
         if isinstance(entry, Computed):
             # Materialise as its own kernel; consumers read it through Load(Kernel(v)).
-            self.egraph.let(f"n_{node.name}", entry.term)
+            # Later terms name v by its let-binding: spelled out, every term would carry
+            # the whole graph above it, and registering them grows with the square of it.
+            named = self.egraph.let(f"n_{node.name}", entry.term)
             t = self.t
-            loaded = self.mk(t.Load(t.Kernel(entry.term)), entry.dtype, entry.shape)
+            loaded = self.mk(t.Load(t.Kernel(named)), entry.dtype, entry.shape)
             entry = Computed(loaded, entry.shape, entry.dtype)
         self.env[node] = entry
 
@@ -656,3 +658,45 @@ def _split(tr, node, x, sizes, dim=0):
                                 tuple(sub_shape), x.dtype))
         start += size
     return out
+
+
+# --- matrix products -------------------------------------------------------------------------
+# Capture decomposes matmul, @, linear and einsum into mm / bmm / addmm with views around
+# them; a transpose of an input folds into the strides the kernel reads it with.
+
+MATMUL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _dot(tr, node, a, b) -> Computed:
+    shape, dt = _out(node)
+    for x in (a, b):
+        if not isinstance(x, (BufferView, Computed)):
+            raise Unsupported("matmul of a non-tensor")
+    if a.dtype != b.dtype:
+        raise Unsupported(f"matmul of {a.dtype} by {b.dtype}")
+    if dt not in MATMUL_DTYPES:
+        raise Unsupported(f"matmul of {dt} (eqfuse kernels take {', '.join(MATMUL_DTYPES)})")
+    if a.shape[-1] == 0:
+        raise Unsupported("matmul over an empty dimension")
+    return Computed(tr.mk(tr.t.Dot(tr.value(a), tr.value(b)), dt, shape), shape, dt)
+
+
+@handles(aten.mm, aten.bmm)
+def _mm(tr, node, a, b):
+    return _dot(tr, node, a, b)
+
+
+@handles(aten.addmm, aten.baddbmm)
+def _addmm(tr, node, bias, a, b, beta=1, alpha=1):
+    """beta * bias + alpha * (a @ b); a zero beta ignores the bias (NaN included), as torch does."""
+    d = _dot(tr, node, a, b)
+    shape, dt = d.shape, d.dtype
+    v = d.term
+    if alpha != 1:
+        v = tr.mk(tr.t.Binary("mul", v, tr.const(alpha, dt)), dt, shape)
+    if beta != 0:
+        bv = tr.operand(bias, shape, dt)
+        if beta != 1:
+            bv = tr.mk(tr.t.Binary("mul", bv, tr.const(beta, dt)), dt, shape)
+        v = tr.mk(tr.t.Binary("add", v, bv), dt, shape)
+    return Computed(v, shape, dt)

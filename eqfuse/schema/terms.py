@@ -6,8 +6,9 @@ Two sorts, as in the e-graph tensor compilers this project learns from:
   (``Kernel(value)``).
 * ``Value`` lives inside one kernel. ``Load(t)`` reads a kernel output whole and contiguous,
   ``LoadStrided`` reads an input buffer through a strided view. Everything else is
-  pointwise arithmetic, a reduction over the last axis, or an index map (broadcast,
-  reshape, permute, slice, cat) that changes how the iteration index reaches the operand.
+  pointwise arithmetic, a reduction over the last axis, a matrix product (``Dot``), or an
+  index map (broadcast, reshape, permute, slice, cat) that changes how the iteration index
+  reaches the operand.
 
 The translator first states every FX op as its own kernel; the fusion rule
 ``Load(Kernel(u)) == u`` then offers the fused form and extraction chooses where kernel
@@ -99,6 +100,14 @@ def Slice(x: Value, dim: i64Like, start: i64Like, step: i64Like, size: i64Like) 
 @function
 def Cat(a: Value, b: Value, dim: i64Like) -> Value:
     """``a`` followed by ``b`` along ``dim``."""
+
+
+@function
+def Dot(a: Value, b: Value) -> Value:
+    """Matrix product over the last axis of ``a`` and the second-last of ``b``:
+    ``[*batch, M, K] x [*batch, K, N] -> [*batch, M, N]`` (same batch dims; a broadcast
+    batch is an index map on the operand). Accumulates in float32; the result has the
+    operands' dtype."""
 
 
 @function

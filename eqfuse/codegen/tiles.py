@@ -1,0 +1,81 @@
+"""Tile shapes for matmul kernels, ranked by a model of one program's work.
+
+A program computes one ``BLOCK_M x BLOCK_N`` output tile, walking K in ``BLOCK_K``
+steps. Per step it moves ``(BLOCK_M + dots * BLOCK_N) * BLOCK_K`` operand elements into
+shared memory (from L2 mostly, thanks to the grouped tile order) and issues
+``2 * BLOCK_M * BLOCK_N * BLOCK_K`` flops per product on the tensor cores; whichever takes
+longer sets the step's time. Programs run in waves of one per SM, so a grid that leaves
+the last wave half empty pays for a full one. The model only ranks: the GPU autotuner
+times the first few and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..rewrite.cost import DEFAULT_DEVICE, Device
+from ..schema import ops
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the shapes Triton's Hopper and Ampere
+# matmuls are known to run well with, large to small.
+TILES = [
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (128, 128, 32, 4, 4),
+    (64, 64, 64, 4, 4),
+    (64, 64, 32, 4, 4),
+    (32, 64, 64, 4, 4),
+    (16, 64, 128, 4, 4),
+    (16, 128, 128, 4, 3),
+]
+GROUP_M = 8
+MIN_BLOCK = 16  # tl.dot's smallest tile side
+SHARED_MEMORY = 220 * 1024  # bytes a program may stage (H100/H200: 227 KB per SM)
+MAX_ACCUMULATOR = 128 * 256  # float32 accumulator elements per program, over all products
+STEP_OVERHEAD_US = 0.02
+TILE_OVERHEAD_US = 0.3
+
+
+def _clamp(block: int, size: int) -> int:
+    return max(MIN_BLOCK, min(block, 1 << max(0, (int(size) - 1).bit_length())))
+
+
+def candidates(sched) -> list[dict]:
+    """Every tile configuration this matmul can run with, clamped to its sizes."""
+    item = ops.itemsize(sched.dot_dtype)
+    out = []
+    for bm, bn, bk, warps, stages in TILES:
+        if item == 4:
+            bk = max(MIN_BLOCK, bk // 2)  # the same staging bytes at twice the element size
+        cfg = {"BLOCK_M": _clamp(bm, sched.m), "BLOCK_N": _clamp(bn, sched.n), "BLOCK_K": _clamp(bk, sched.k),
+               "GROUP_M": GROUP_M, "num_warps": warps, "num_stages": stages}
+        if cfg["BLOCK_M"] * cfg["BLOCK_N"] * sched.dots > MAX_ACCUMULATOR:
+            continue
+        staged = (cfg["BLOCK_M"] + sched.dots * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * item * stages
+        if staged > SHARED_MEMORY:
+            continue
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def modelled_time_us(sched, cfg: dict, device: Device = DEFAULT_DEVICE) -> float:
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles = math.ceil(sched.m / bm) * math.ceil(sched.n / bn) * math.prod(sched.batch)
+    waves = math.ceil(tiles / device.sms)
+    steps = math.ceil(sched.k / bk)
+    flops = 2 * bm * bn * bk * sched.dots
+    moved = (bm + sched.dots * bn) * bk * ops.itemsize(sched.dot_dtype)
+    per_sm_flops = device.tensor_flops_per_us(sched.dot_dtype) / device.sms
+    per_sm_bytes = device.bandwidth_bytes_per_us * device.l2_speedup / device.sms
+    step = max(flops / per_sm_flops, moved / per_sm_bytes) + STEP_OVERHEAD_US
+    return waves * (steps * step + TILE_OVERHEAD_US)
+
+
+def ranked(sched, device: Device = DEFAULT_DEVICE) -> list[dict]:
+    """Candidates, fastest modelled first (ties keep the table's order)."""
+    return sorted(candidates(sched), key=lambda cfg: modelled_time_us(sched, cfg, device))

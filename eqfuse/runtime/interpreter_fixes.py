@@ -1,0 +1,37 @@
+"""Corrections to Triton's CPU interpreter, applied when eqfuse runs kernels in it.
+
+The generated source is the same on the CPU and the GPU; where the interpreter computes
+something the GPU does not, it is corrected here rather than worked around in the source.
+
+* triton 3.6: the interpreter keeps bfloat16 values as their raw 16 bits (uint16) and
+  ``tl.dot`` multiplies those bits as integers. A bfloat16 operand is widened to float32
+  first (exact), which is what the tensor cores compute with.
+"""
+
+from __future__ import annotations
+
+_applied = False
+
+
+def apply() -> None:
+    global _applied
+    if _applied:
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            bits = (h.data.astype(np.uint32) << 16).view(np.float32)
+            return interpreter.TensorHandle(bits, tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    _applied = True
