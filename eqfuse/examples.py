@@ -1,5 +1,8 @@
 """The built-in examples: plain PyTorch functions, each with an input factory and the
-number of kernels eqfuse should make of it. ``eqfuse demo`` and the tests use them."""
+number of kernels eqfuse should make of it. ``eqfuse demo`` and the tests use them.
+
+``EXAMPLES`` work row by row (inputs made from ``rows, cols``); ``MATMUL_EXAMPLES`` are
+matrix products (inputs made from ``m, n, k``)."""
 
 from __future__ import annotations
 
@@ -64,12 +67,32 @@ def log_softmax(x):
     return torch.log_softmax(x, dim=-1)
 
 
+def matmul(a, b):
+    return a @ b
+
+
+def linear_gelu(x, w, b):
+    return F.gelu(x @ w + b)
+
+
+def linear_residual(x, w, b, residual):
+    return F.linear(x, w, b) + residual
+
+
+def swiglu_mlp(x, w1, w3, w2):
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def attention_scores(q, k):
+    return (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+
+
 @dataclass(frozen=True)
 class Example:
     name: str
     fn: Callable
-    make_inputs: Callable  # (rows, cols, dtype, device) -> tuple of tensors
-    kernels: int  # expected kernel count
+    make_inputs: Callable  # (*demo_shape, dtype, device) -> tuple of tensors
+    kernels: int  # expected kernel count (at most, for matmul examples)
     demo_shape: tuple = (64, 1000)
 
 
@@ -81,7 +104,7 @@ def _xy(rows, cols, dtype, device):
     return tuple(torch.randn(rows, cols, dtype=dtype, device=device) for _ in range(2))
 
 
-def _scores(rows, cols, dtype, device):
+def _square(rows, cols, dtype, device):
     return (torch.randn(cols, cols, dtype=dtype, device=device),)
 
 
@@ -101,13 +124,48 @@ def _ln(rows, cols, dtype, device):
             torch.randn(cols, dtype=dtype, device=device))
 
 
+def _weights(k, n, dtype, device):
+    return (torch.randn(k, n, device=device) / math.sqrt(max(k, 1))).to(dtype)
+
+
+def _mm(m, n, k, dtype, device):
+    return torch.randn(m, k, dtype=dtype, device=device), _weights(k, n, dtype, device)
+
+
+def _linear_gelu(m, n, k, dtype, device):
+    return (*_mm(m, n, k, dtype, device), torch.randn(n, dtype=dtype, device=device))
+
+
+def _linear_residual(m, n, k, dtype, device):
+    return (torch.randn(m, k, dtype=dtype, device=device), _weights(n, k, dtype, device),
+            torch.randn(n, dtype=dtype, device=device), torch.randn(m, n, dtype=dtype, device=device))
+
+
+def _swiglu_mlp(m, n, k, dtype, device):
+    return (torch.randn(m, k, dtype=dtype, device=device), _weights(k, n, dtype, device),
+            _weights(k, n, dtype, device), _weights(n, k, dtype, device))
+
+
+def _scores(m, n, k, dtype, device):
+    return (torch.randn(2, 3, m, k, dtype=dtype, device=device), torch.randn(2, 3, n, k, dtype=dtype, device=device))
+
+
+MATMUL_EXAMPLES: dict[str, Example] = {e.name: e for e in [
+    Example("matmul", matmul, _mm, 1, (256, 256, 256)),
+    Example("linear_gelu", linear_gelu, _linear_gelu, 1, (256, 256, 256)),
+    Example("linear_residual", linear_residual, _linear_residual, 1, (256, 256, 256)),
+    Example("swiglu_mlp", swiglu_mlp, _swiglu_mlp, 2, (128, 352, 128)),
+    Example("attention_scores", attention_scores, _scores, 1, (128, 128, 64)),
+]}
+
+
 EXAMPLES: dict[str, Example] = {e.name: e for e in [
     Example("vector_add", vector_add, _xy, 1),
     Example("add_constant", add_constant, _x, 1),
     Example("outer_add", outer_add, _outer, 1),
     Example("mul_relu", mul_relu, _xy, 1),
     Example("softmax", softmax, _x, 1),
-    Example("causal_softmax", causal_softmax, _scores, 1, (1, 100)),
+    Example("causal_softmax", causal_softmax, _square, 1, (1, 100)),
     Example("rmsnorm", rmsnorm, _rms, 1),
     Example("residual_layernorm", residual_layernorm, _ln, 1),
     Example("swiglu", swiglu, _xy, 1),
@@ -123,4 +181,6 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
             torch.bfloat16: (5e-2, 5e-2), torch.float64: (1e-7, 1e-9)}.get(dtype, (0, 0))
 
 
-__all__ = ["EXAMPLES", "Example", "math", "tolerance"]
+ALL_EXAMPLES: dict[str, Example] = {**EXAMPLES, **MATMUL_EXAMPLES}
+
+__all__ = ["ALL_EXAMPLES", "EXAMPLES", "MATMUL_EXAMPLES", "Example", "math", "tolerance"]

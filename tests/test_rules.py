@@ -6,7 +6,7 @@ from conftest import DEVICE, assert_matches
 
 import eqfuse
 from eqfuse.examples import EXAMPLES
-from eqfuse.rewrite.rules import ALGEBRA, CAST_ROUNDTRIPS, TorchBuilder, catalogue, rulesets
+from eqfuse.rewrite.rules import ALGEBRA, CAST_ROUNDTRIPS, MATMUL, TorchBuilder, catalogue, rulesets
 
 
 def _draw(domain, gen):
@@ -29,6 +29,31 @@ def test_algebra_rule_is_sound(rule):
                                    torch.as_tensor(rhs, dtype=torch.float64), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("rule", MATMUL, ids=lambda r: r.name)
+def test_matmul_rule_is_sound(rule):
+    gen = torch.Generator(device="cpu").manual_seed(hash(rule.name) % 2**31)
+    for m, k, n in ((1, 1, 1), (5, 7, 3), (17, 33, 9)):
+        a = torch.randn(m, k, dtype=torch.float64, generator=gen)
+        b = torch.randn(k, n, dtype=torch.float64, generator=gen)
+        s = torch.randn((), dtype=torch.float64, generator=gen) * 3
+        lhs, rhs = rule.pattern(TorchBuilder(), a, b, s)
+        torch.testing.assert_close(lhs, rhs, rtol=1e-10, atol=1e-10)
+
+
+def test_scale_moves_to_the_cheaper_side_of_a_product():
+    """x @ (w * 3): the scale on w [K, N] would be recomputed for each of the M / 128 row
+    tiles; on the product it is applied once per output element, after the K loop."""
+    def f(x, w):
+        return x @ (w * 3.0)
+    x, w = torch.randn(512, 200), torch.randn(200, 16)
+    c = eqfuse.compile(f, (x, w))
+    assert_matches(c(x, w), f(x, w), contraction=True)
+    assert c.report["saturation"]["rules_fired"].get("dot-scale-right", 0) >= 1
+    assert len(c.kernels) == 1
+    body = c.kernels[0].source
+    assert body.index("3.0") > body.index("tl.dot"), body
+
+
 @pytest.mark.parametrize("narrow,wide", CAST_ROUNDTRIPS)
 def test_cast_roundtrip_is_identity(narrow, wide):
     x = (torch.randn(1000) * 100).to(getattr(torch, narrow))
@@ -37,7 +62,7 @@ def test_cast_roundtrip_is_identity(narrow, wide):
 
 def test_every_rule_is_in_the_catalogue_and_built():
     names = {name for _, name, _ in catalogue()}
-    assert {r.name for r in ALGEBRA} <= names
+    assert {r.name for r in ALGEBRA} | {r.name for r in MATMUL} <= names
     assert "fuse-load-kernel" in names
     assert set(rulesets()) == {"algebra", "views", "fusion"}
 

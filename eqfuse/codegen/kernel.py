@@ -366,7 +366,8 @@ class KernelWriter:
     def dot_operand(self, node, env, axes, block) -> str:
         """An operand tile in the dot's input dtype. A plain read (through index maps only)
         is loaded as stored; a computed operand (prologue) is computed in float32, zeroed
-        past the end of K (the other side's padding may not be finite) and rounded."""
+        past the end of K (the other side's padding may not be finite) and rounded.
+        ``axes`` names the tile's row and column axes; ``block`` is its shape."""
         base, benv = node, env
         while base.op in ("broadcast", "reshape", "permute"):
             benv = {"broadcast": lambda: broadcast_env(benv, base.args[0].shape),
@@ -381,7 +382,9 @@ class KernelWriter:
         v = self._emit_load(base, benv, upcast=False) if raw else self.emit(node, env)
         expr = v.expr
         kaxis = axes[0] if axes[0] in "kj" else axes[1]
-        if not raw and kaxis in self.uneven:
+        # A load past K reads 0 through its mask; anything else (a computed value, or one
+        # constant along K, as when K is 1) is zeroed there explicitly.
+        if kaxis in self.uneven and (not raw or kaxis not in v.axes):
             expr = f"tl.where({self.uneven[kaxis]}, {expr}, 0.0)"
         if not (set(axes) <= v.axes):
             expr = f"tl.broadcast_to({expr}, {block})" if v.axes else f"tl.full({block}, {expr}, tl.float32)"
@@ -449,6 +452,12 @@ class KernelWriter:
     def store(self, root: PNode, buf: str, env: Env):
         v = self.emit(root, env)
         lin = strided_offset(env, self.buffers[buf].layout, root.shape)  # graph outputs: eager's strides
+        if self.s.kind == "matmul":
+            # A unit M or N has index 0, yet the tile still has BLOCK_M x BLOCK_N lanes, of
+            # which the mask keeps the first: the pointer takes the tile's shape.
+            for axis, name in (("m", "mindex"), ("n", "nindex")):
+                if axis not in lin.axes:
+                    lin = Idx(f"{lin.expr} + 0 * {name}", lin.axes | {axis})
         axes = lin.axes
         block = {"x": "[XBLOCK]", "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]",
                  "m": "[BLOCK_M, 1]", "n": "[1, BLOCK_N]", "mn": "[BLOCK_M, BLOCK_N]"}

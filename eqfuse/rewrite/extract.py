@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
@@ -82,7 +82,13 @@ class Extractor:
             if o[0] == "value" and o[4] is not None:
                 self.out_strides.setdefault(view.lets[o[1]], tuple(o[4]))
         self._buffer_names: dict[str, str] = {}
+        self._fx_names: dict[str, list[str]] = {}
+        for name, cid in view.lets.items():
+            if name.startswith("n_"):
+                self._fx_names.setdefault(cid, []).append(name[2:])
         self.best = self._inline_choices()
+        self._regions: dict[str, frozenset] = {}
+        self._kernels: dict = {}  # (root, hosted, M within reach) -> (spec, inline, loads)
 
     # --- 1. types ------------------------------------------------------------------------------
     def _type_of_node(self, n: ENode, types):
@@ -227,7 +233,7 @@ class Extractor:
         return order
 
     def fx_names(self, c) -> list[str]:
-        return [name[2:] for name, cid in self.g.lets.items() if cid == c and name.startswith("n_")]
+        return self._fx_names.get(c, [])
 
     def extract(self) -> tuple[Plan, dict]:
         roots = self.roots()
@@ -304,7 +310,12 @@ class Extractor:
             if c not in M or c in host:
                 continue
             extra = sorted(hosted_by.get(c, []), key=order.index)
-            spec, inline, loads = self._kernel(c, M, extra)
+            # A kernel depends on M only where M meets the values it could inline.
+            region = frozenset().union(*(self._region(x) for x in (c, *extra)))
+            kkey = (c, tuple(extra), frozenset(M & region))
+            if kkey not in self._kernels:
+                self._kernels[kkey] = self._kernel(c, M, extra)
+            spec, inline, loads = self._kernels[kkey]
             key = (c, tuple(extra), frozenset(inline), frozenset(loads))
             if key not in memo:
                 try:
@@ -329,6 +340,19 @@ class Extractor:
         graph = _dependency_graph(st.specs, self._fallback_steps())
         st.acyclic = nx.is_directed_acyclic_graph(graph)
         return st
+
+    def _region(self, c) -> frozenset:
+        """The classes a kernel computing ``c`` could inline (its inline choices, transitively)."""
+        if c not in self._regions:
+            stack, seen = [c], {c}
+            while stack:
+                n = self.best.get(stack.pop())
+                for k in self.value_children(n) if n is not None else ():
+                    if k not in seen:
+                        seen.add(k)
+                        stack.append(k)
+            self._regions[c] = frozenset(seen)
+        return self._regions[c]
 
     def _fallback_steps(self) -> dict:
         return {f"f{j}": FallbackStep(fb.node, fb.target, _map_refs(fb.args, self), _map_refs(fb.kwargs, self),
@@ -417,7 +441,7 @@ class Extractor:
     # --- 4. the plan ---------------------------------------------------------------------------
     def _assemble(self, state, M, host) -> Plan:
         buffers = self._buffers(M)
-        kernels = {f"k{i}": spec for i, spec in enumerate(state.specs.values())}
+        kernels = {f"k{i}": replace(spec) for i, spec in enumerate(state.specs.values())}
         steps = {**kernels, **self._fallback_steps()}
         g = _dependency_graph(kernels, self._fallback_steps())
         if not nx.is_directed_acyclic_graph(g):

@@ -76,6 +76,26 @@ ALGEBRA: list[AlgebraRule] = [
     AlgebraRule("mul-comm", 2, lambda k, x, y: (_b(k, "mul", x, y), _b(k, "mul", y, x))),
 ]
 
+
+
+@dataclass(frozen=True)
+class MatmulRule:
+    """A rule over matrices ``a`` [M, K], ``b`` [K, N] and a scalar constant ``s``."""
+    name: str
+    pattern: Callable  # (builder, a, b, s) -> (lhs, rhs)
+
+
+# A scalar factor moves through a product: both places are in the e-graph, and extraction
+# keeps the one that computes on fewer elements (an operand is recomputed per output tile).
+MATMUL: list[MatmulRule] = [
+    MatmulRule("dot-scale-left", lambda k, a, b, s: (k.dot(_b(k, "mul", a, s), b), _b(k, "mul", k.dot(a, b), s))),
+    MatmulRule("dot-scale-right", lambda k, a, b, s: (k.dot(a, _b(k, "mul", b, s)), _b(k, "mul", k.dot(a, b), s))),
+    MatmulRule("dot-div-left", lambda k, a, b, s: (k.dot(_b(k, "div", a, s), b), _b(k, "div", k.dot(a, b), s))),
+    MatmulRule("dot-div-right", lambda k, a, b, s: (k.dot(a, _b(k, "div", b, s)), _b(k, "div", k.dot(a, b), s))),
+    MatmulRule("dot-neg-left", lambda k, a, b, s: (k.dot(_u(k, "neg", a), b), _u(k, "neg", k.dot(a, b)))),
+    MatmulRule("dot-neg-right", lambda k, a, b, s: (k.dot(a, _u(k, "neg", b)), _u(k, "neg", k.dot(a, b)))),
+]
+
 # Casts through a wider float and back are the identity on the narrow value.
 CAST_ROUNDTRIPS = [
     ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"),
@@ -97,6 +117,9 @@ class TorchBuilder:
 
     def const(self, value):
         return torch.tensor(value, dtype=torch.float64, device="cpu")
+
+    def dot(self, a, b):
+        return a @ b
 
 
 class EgglogBuilder:
@@ -124,6 +147,15 @@ class EgglogBuilder:
         self._n += 1
         return Const(float_bits(value), self._var(f"cdt{self._n}", self._i64))
 
+    def scalar(self):
+        """Any constant."""
+        from ..schema.terms import Const
+        return Const(self._var("sbits", self._i64), self._var("sdt", self._i64))
+
+    def dot(self, a, b):
+        from ..schema.terms import Dot
+        return Dot(a, b)
+
 
 def _algebra_ruleset():
     from egglog import eq, i64, rule, ruleset, union, var
@@ -135,6 +167,12 @@ def _algebra_ruleset():
         k = EgglogBuilder()
         xs = [var(f"v{i}", Value) for i in range(r.arity)]
         lhs, rhs = r.pattern(k, *xs)
+        root = var("root", Value)
+        rules.append(rule(eq(root).to(lhs), name=r.name).then(union(root).with_(rhs)))
+
+    for r in MATMUL:
+        k = EgglogBuilder()
+        lhs, rhs = r.pattern(k, var("a", Value), var("b", Value), k.scalar())
         root = var("root", Value)
         rules.append(rule(eq(root).to(lhs), name=r.name).then(union(root).with_(rhs)))
 
@@ -203,9 +241,15 @@ def catalogue() -> list[tuple[str, str, str]]:
         def const(self, value):
             return repr(value)
 
+        def dot(self, a, b):
+            return f"{a} @ {b}"
+
     names = "xyzw"
     for r in ALGEBRA:
         lhs, rhs = r.pattern(Show(), *names[: r.arity])
+        rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
+    for r in MATMUL:
+        lhs, rhs = r.pattern(Show(), "a", "b", "s")
         rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
     for narrow, wide in CAST_ROUNDTRIPS:
         rows.append(("algebra", f"cast-{narrow}-{wide}-{narrow}",

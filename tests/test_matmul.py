@@ -1,0 +1,158 @@
+"""Matrix products against eager PyTorch on the Triton interpreter: every matmul example at
+odd sizes (none a multiple of a block), three dtypes, transposed and batched operands,
+kernel counts, and the cases eqfuse leaves to eager."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, assert_matches
+
+import eqfuse
+from eqfuse.examples import MATMUL_EXAMPLES
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [(1, 17, 100), (17, 100, 257), (100, 257, 1), (257, 1, 17)]  # (M, N, K)
+
+
+def compiled_and_checked(fn, inputs):
+    compiled = eqfuse.compile(fn, inputs)
+    assert_matches(compiled(*inputs), fn(*inputs), contraction=True)
+    return compiled
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", list(MATMUL_EXAMPLES))
+def test_matmul_example_matches_eager(name, size, dtype):
+    ex = MATMUL_EXAMPLES[name]
+    torch.manual_seed(0)
+    inputs = ex.make_inputs(*size, dtype, DEVICE)
+    compiled = compiled_and_checked(ex.fn, inputs)
+    assert len(compiled.kernels) <= ex.kernels, compiled.explain()
+    assert compiled.fallbacks == []
+    assert "tl.dot" in compiled.source
+
+
+def test_gelu_linear_is_one_kernel_with_everything_in_the_epilogue():
+    ex = MATMUL_EXAMPLES["linear_gelu"]
+    inputs = ex.make_inputs(33, 48, 40, torch.float16, DEVICE)
+    compiled = compiled_and_checked(ex.fn, inputs)
+    (k,) = compiled.kernels
+    assert k.schedule.kind == "matmul"
+    body = k.source
+    assert body.index("tl.erf") > body.index("tl.dot")  # gelu after the K loop, on the accumulator
+
+
+def test_swiglu_mlp_computes_both_products_in_one_loop():
+    ex = MATMUL_EXAMPLES["swiglu_mlp"]
+    inputs = ex.make_inputs(40, 72, 24, torch.float16, DEVICE)
+    compiled = compiled_and_checked(ex.fn, inputs)
+    assert len(compiled.kernels) == 2
+    first = compiled.kernels[0]
+    assert first.schedule.dots == 2 and first.source.count("tl.dot(") == 2
+    assert first.source.count("for k0 in range") == 1
+
+
+@pytest.mark.parametrize("which", ["a", "b", "both"])
+def test_transposed_operands_are_read_through_strides(which):
+    a, b = torch.randn(37, 20), torch.randn(20, 45)
+    if which in ("a", "both"):
+        a = a.t().contiguous().t()
+    if which in ("b", "both"):
+        b = b.t().contiguous().t()
+    compiled = compiled_and_checked(torch.matmul, (a, b))
+    assert len(compiled.kernels) == 1
+
+
+def test_x_at_w_transposed_is_a_stride_change():
+    def f(x, w):
+        return x @ w.T
+    x, w = torch.randn(30, 20), torch.randn(50, 20)
+    compiled = compiled_and_checked(f, (x, w))
+    assert len(compiled.kernels) == 1
+    assert "kindex_b + nindex * 20" in compiled.source.replace("kindex_b * 1 ", "kindex_b ")
+
+
+@pytest.mark.parametrize("shapes", [((3, 4, 5, 8), (8, 6)), ((3, 1, 5, 8), (4, 8, 6)), ((2, 5, 8), (2, 8, 7))],
+                         ids=["4d-by-2d", "broadcast-batch", "bmm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batched_matmul(shapes, dtype):
+    a, b = (torch.randn(s, dtype=dtype) for s in shapes)
+    compiled = compiled_and_checked(torch.matmul, (a, b))
+    assert len(compiled.kernels) == 1
+
+
+def test_einsum_with_transposed_output_is_one_kernel():
+    def f(q, k):
+        return torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8)
+    compiled = compiled_and_checked(f, (q, k))
+    assert len(compiled.kernels) == 1
+
+
+def test_prologue_with_nonzero_padding_is_masked():
+    """(a + 1) @ (b + 1) with K = 17: past the end of K both operands must be zero, not 1."""
+    def f(a, b):
+        return (a + 1) @ (b + 1)
+    a, b = torch.randn(20, 17), torch.randn(17, 24)
+    compiled = compiled_and_checked(f, (a, b))
+    assert len(compiled.kernels) == 1
+    assert "kmask_a" in compiled.source
+
+
+def test_reciprocal_prologue_does_not_leak_infinities():
+    """1 / a is infinite in the padding (a = 0 there); the padding must not reach the sum."""
+    def f(a, b):
+        return (1 / a) @ b
+    a, b = torch.rand(8, 19) + 0.5, torch.randn(19, 8)
+    compiled_and_checked(f, (a, b))
+
+
+@pytest.mark.parametrize("beta,alpha", [(1, 1), (0.5, 2.0), (0, 1)])
+def test_addmm_scales(beta, alpha):
+    def f(c, a, b):
+        return torch.addmm(c, a, b, beta=beta, alpha=alpha)
+    c, a, b = torch.randn(9, 11), torch.randn(9, 13), torch.randn(13, 11)
+    if beta == 0:
+        c[0, 0] = float("nan")  # ignored when beta is 0, as in torch
+    compiled = compiled_and_checked(f, (c, a, b))
+    assert len(compiled.kernels) == 1
+
+
+def test_linear_on_3d_input_keeps_the_epilogue_fused():
+    def f(x, w, b):
+        return F.gelu(F.linear(x, w, b))
+    x, w, b = torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(6)
+    compiled = compiled_and_checked(f, (x, w, b))
+    assert len(compiled.kernels) == 1
+
+
+def test_fp32_precision_follows_allow_tf32():
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert 'input_precision="ieee"' in eqfuse.compile(torch.matmul, (a, b)).source
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert 'input_precision="tf32"' in eqfuse.compile(torch.matmul, (a, b)).source
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("dtype,reason", [(torch.int32, "matmul of int32"), (torch.float64, "matmul of float64")])
+def test_unsupported_matmul_runs_in_eager_with_a_reason(dtype, reason):
+    def f(a, b):
+        return (a @ b) + 1
+    a = torch.randint(-3, 3, (5, 6)).to(dtype)
+    b = torch.randint(-3, 3, (6, 4)).to(dtype)
+    compiled = eqfuse.compile(f, (a, b))
+    assert torch.equal(compiled(a, b), f(a, b))
+    assert any(reason in f.reason for f in compiled.fallbacks), compiled.fallbacks
+
+
+def test_matmul_feeding_a_matmul_is_two_kernels():
+    def f(a, b, c):
+        return (a @ b) @ c
+    a, b, c = torch.randn(10, 12), torch.randn(12, 14), torch.randn(14, 9)
+    compiled = compiled_and_checked(f, (a, b, c))
+    assert len(compiled.kernels) == 2
