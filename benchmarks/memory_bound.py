@@ -124,8 +124,7 @@ def main(argv=None):
                                 "eqfuse_fraction_of_copy_bw": round(ideal_us / g_eq, 3),
                                 "torch_compile_fraction_of_copy_bw": round(ideal_us / g_ind, 3)},
                "speedup_vs_eager": round(t_eager / t_eq, 2), "speedup_vs_torch_compile": round(t_ind / t_eq, 3),
-               "kernels": len(compiled.kernels), "configs": [k.constexprs | {"num_warps": k.num_warps}
-                                                            for k in compiled.kernels],
+               "kernels": len(compiled.kernels), "configs": [k.constexprs | k.launch for k in compiled.kernels],
                "matches_eager": ok, "eqfuse_compile_s": round(eq_compile_s, 2),
                "torch_compile_compile_s": round(ind_compile_s, 2)}
         rows.append(row)

@@ -14,6 +14,11 @@ from ..codegen.module import generate_module
 from .cache import cache_dir, cache_key, load_module, write_atomic
 
 
+# (kernel name, schedule, config, measured us) of every trial this process timed, newest
+# last: benchmarks read it to see how well the tile model ranks what the GPU measures.
+trials: list[tuple] = []
+
+
 def _store_path():
     return cache_dir() / "autotune.json"
 
@@ -76,6 +81,7 @@ def autotune(plan, infos, title, version, example_inputs, constants) -> dict:
                 t = triton.testing.do_bench(launch, warmup=10, rep=40, return_mode="median")
             except Exception:  # a config the compiler rejects (too many registers...)
                 continue
+            trials.append((info.name, info.schedule, cfg, t * 1e3))
             if t < best_t:
                 best, best_t = cfg, t
         if best is not None:

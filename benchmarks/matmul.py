@@ -1,0 +1,159 @@
+"""Matrix products: eqfuse vs eager (cuBLAS) vs torch.compile, side by side in one run.
+
+    python benchmarks/matmul.py [--out results.json] [--quick]
+
+Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call). TFLOP/s
+counts 2*M*N*K per product. For the fused cases the time of cuBLAS's matmul alone is
+reported too: the target is the fused kernel within 5% of it. The autotuner's trials
+(tile configurations it timed) are saved with their modelled times, so that the tile
+model's ranking can be checked against the GPU (Spearman rank correlation per kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+import eqfuse
+from eqfuse.codegen import tiles
+from eqfuse.examples import tolerance
+from eqfuse.runtime import autotune
+
+
+def gelu_linear(x, w, b):
+    return F.gelu(x @ w + b)
+
+
+def swiglu_mlp(x, w1, w3, w2):
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def mm(a, b):
+    return a @ b
+
+
+def workloads(quick: bool):
+    s = 4 if quick else 1
+
+    def rand(*shape, dtype):
+        return lambda: torch.randn(*shape, dtype=dtype, device="cuda") / shape[-1] ** 0.25
+
+    f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    m, n, k = 8192 // s, 4096, 4096
+    out = [("gelu(x@W+b) 8192x4096x4096 fp16", gelu_linear,
+            [rand(m, k, dtype=f16), rand(k, n, dtype=f16), rand(n, dtype=f16)], 2 * m * n * k,
+            lambda x, w, b: x @ w, False)]
+    for dtype, name in ((f16, "fp16"), (bf16, "bf16")):
+        for size in (1024, 4096, 8192):
+            size //= s if size > 1024 else 1
+            out.append((f"matmul {size}^3 {name}", mm, [rand(size, size, dtype=dtype), rand(size, size, dtype=dtype)],
+                        2 * size ** 3, None, False))
+    out.append(("matmul 2048^3 fp32 (TF32)", mm, [rand(2048, 2048, dtype=f32), rand(2048, 2048, dtype=f32)],
+                2 * 2048 ** 3, None, True))
+    t, h, i = 4096 // s, 4096, 11008
+    out.append(("SwiGLU MLP Llama-7B (4096 tok) fp16", swiglu_mlp,
+                [rand(t, h, dtype=f16), rand(h, i, dtype=f16), rand(h, i, dtype=f16), rand(i, h, dtype=f16)],
+                3 * 2 * t * h * i, None, False))
+    return out
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
+
+
+def spearman(xs, ys) -> float | None:
+    if len(xs) < 3:
+        return None
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for rank, i in enumerate(order):
+            r[i] = float(rank)
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    d2 = sum((a - b) ** 2 for a, b in zip(rx, ry))
+    return 1 - 6 * d2 / (n * (n * n - 1))
+
+
+def tile_model_check(start: int) -> list[dict]:
+    """Per tuned matmul kernel: modelled vs measured time of each trial, and their rank correlation."""
+    by_kernel: dict = {}
+    for name, sched, cfg, us in autotune.trials[start:]:
+        if sched.kind == "matmul":
+            by_kernel.setdefault(name, []).append((cfg, us, tiles.modelled_time_us(sched, cfg)))
+    return [{"kernel": name, "spearman": spearman([t[2] for t in rows], [t[1] for t in rows]),
+             "trials": [{"config": c, "measured_us": round(us, 2), "modelled_us": round(mod, 2)}
+                        for c, us, mod in rows]}
+            for name, rows in by_kernel.items()]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    torch.manual_seed(0)
+    device = torch.cuda.get_device_name()
+    print(device, flush=True)
+    rows = []
+    for name, fn, makers, flops, core, tf32 in workloads(args.quick):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        inputs = [make() for make in makers]
+        dtype = inputs[0].dtype
+        ref = fn(*inputs)
+        start = len(autotune.trials)
+        t0 = time.perf_counter()
+        compiled = eqfuse.compile(fn, inputs)
+        eq_compile_s = time.perf_counter() - t0
+        got = compiled(*inputs)
+        rtol, _ = tolerance(dtype)
+        err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        ok = err <= rtol * 4
+        torch._dynamo.reset()
+        inductor = torch.compile(fn)
+        t0 = time.perf_counter()
+        inductor(*inputs)
+        torch.cuda.synchronize()
+        ind_compile_s = time.perf_counter() - t0
+        t_eager, t_ind, t_eq = (bench(lambda: fn(*inputs)), bench(lambda: inductor(*inputs)),
+                                bench(lambda: compiled(*inputs)))
+        t_core = bench(lambda: core(*inputs)) if core else None
+        tf = lambda us: round(flops / (us * 1e-6) / 1e12, 1)  # noqa: E731
+        row = {"workload": name, "eager_us": round(t_eager, 1), "torch_compile_us": round(t_ind, 1),
+               "eqfuse_us": round(t_eq, 1), "eager_tflops": tf(t_eager), "torch_compile_tflops": tf(t_ind),
+               "eqfuse_tflops": tf(t_eq), "speedup_vs_eager": round(t_eager / t_eq, 3),
+               "speedup_vs_torch_compile": round(t_ind / t_eq, 3),
+               "cublas_matmul_alone_us": round(t_core, 1) if t_core else None,
+               "eqfuse_over_cublas_matmul_alone": round(t_eq / t_core, 3) if t_core else None,
+               "kernels": len(compiled.kernels), "fallbacks": len(compiled.fallbacks),
+               "configs": [k.constexprs | k.launch for k in compiled.kernels],
+               "max_rel_err": err, "matches_eager": ok, "eqfuse_compile_s": round(eq_compile_s, 2),
+               "torch_compile_compile_s": round(ind_compile_s, 2), "tile_model": tile_model_check(start)}
+        rows.append(row)
+        core_txt = f" cuBLAS mm alone {t_core:7.1f} ({t_eq / t_core:.3f}x)" if t_core else ""
+        print(f"{name:38s} eager {t_eager:8.1f} ({tf(t_eager):5.1f} TF) inductor {t_ind:8.1f} ({tf(t_ind):5.1f}) "
+              f"eqfuse {t_eq:8.1f} ({tf(t_eq):5.1f}){core_txt} kernels={len(compiled.kernels)} ok={ok} "
+              f"compile {eq_compile_s:.1f}s", flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result = {"device": device, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "triton": triton.__version__, "eqfuse": eqfuse.__version__, "python": platform.python_version(),
+              "quick": args.quick, "results": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if all(r["matches_eager"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
