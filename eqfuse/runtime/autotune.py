@@ -13,7 +13,6 @@ from ..codegen import kernel as kgen
 from ..codegen.module import generate_module
 from .cache import cache_dir, cache_key, load_module, write_atomic
 
-
 # (kernel name, schedule, config, measured us) of every trial this process timed, newest
 # last: benchmarks read it to see how well the tile model ranks what the GPU measures.
 trials: list[tuple] = []
