@@ -87,6 +87,23 @@ def attention_scores(q, k):
     return (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
 
 
+INT4_GROUP = 32  # weights per scale and zero point, along K
+
+
+def int4_matmul(x, packed, scale, zero):
+    """x @ W where W [K, N] is stored as 4-bit integers, 8 per int32 along K
+    (``packed`` [K/8, N]), with a scale and a zero point per group of 32 rows."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [K/8, 8, N]
+    q = q.reshape(-1, packed.shape[-1]).to(x.dtype)  # [K, N]
+    k, n = q.shape
+    groups = k // scale.shape[0]
+
+    def per_row(t):
+        return t[:, None, :].expand(t.shape[0], groups, n).reshape(k, n)
+    return x @ ((q - per_row(zero)) * per_row(scale))
+
+
 @dataclass(frozen=True)
 class Example:
     name: str
@@ -150,12 +167,24 @@ def _scores(m, n, k, dtype, device):
     return (torch.randn(2, 3, m, k, dtype=dtype, device=device), torch.randn(2, 3, n, k, dtype=dtype, device=device))
 
 
+def _int4(m, n, k, dtype, device):
+    """K is rounded up to a whole number of groups."""
+    k = max(INT4_GROUP, -(-k // INT4_GROUP) * INT4_GROUP)
+    nibbles = torch.randint(0, 16, (k // 8, 8, n), dtype=torch.int32, device=device)
+    packed = (nibbles << (4 * torch.arange(8, dtype=torch.int32, device=device))[None, :, None]).sum(1)
+    packed = packed.to(torch.int32)
+    scale = (torch.rand(k // INT4_GROUP, n, device=device) * 0.02 + 0.01).to(dtype)
+    zero = torch.full((k // INT4_GROUP, n), 8.0, device=device).to(dtype)
+    return torch.randn(m, k, dtype=dtype, device=device), packed, scale, zero
+
+
 MATMUL_EXAMPLES: dict[str, Example] = {e.name: e for e in [
     Example("matmul", matmul, _mm, 1, (256, 256, 256)),
     Example("linear_gelu", linear_gelu, _linear_gelu, 1, (256, 256, 256)),
     Example("linear_residual", linear_residual, _linear_residual, 1, (256, 256, 256)),
     Example("swiglu_mlp", swiglu_mlp, _swiglu_mlp, 2, (128, 352, 128)),
     Example("attention_scores", attention_scores, _scores, 1, (128, 128, 64)),
+    Example("int4_matmul", int4_matmul, _int4, 1, (64, 256, 256)),
 ]}
 
 

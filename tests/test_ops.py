@@ -30,6 +30,8 @@ CASES = {
     "casts": (lambda x: (x * 10).to(torch.int32).to(torch.float32) + (x > 0).to(torch.float16).float()
               + x.half().float(), 1),
     "int_arith": (lambda x: (x * 10).to(torch.int64) * 3 - 1, 1),
+    "int_bits": (lambda x: (((x * 100).to(torch.int32) >> 2) & 0xF | 0x30) ^ ((x * 10).to(torch.int32) << 3), 1),
+    "int_to_bf16": (lambda x: (x * 100).to(torch.int32).to(torch.bfloat16) * 2, 1),
     "masked_fill": (lambda x: x.masked_fill(x < 0, -1.0), 1),
     "relu_gelu_silu": (lambda x: F.relu(x) + F.gelu(x) + F.silu(x) + F.gelu(x, approximate="tanh"), 1),
     "scalar_tensor_const": (lambda x: x + torch.tensor(2.0), 1),

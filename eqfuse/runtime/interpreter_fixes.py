@@ -3,9 +3,11 @@
 The generated source is the same on the CPU and the GPU; where the interpreter computes
 something the GPU does not, it is corrected here rather than worked around in the source.
 
-* triton 3.6: the interpreter keeps bfloat16 values as their raw 16 bits (uint16) and
-  ``tl.dot`` multiplies those bits as integers. A bfloat16 operand is widened to float32
-  first (exact), which is what the tensor cores compute with.
+* triton 3.6: the interpreter keeps bfloat16 values as their raw 16 bits (uint16), and
+  - ``tl.dot`` multiplies those bits as integers. A bfloat16 operand is widened to float32
+    first (exact), which is what the tensor cores compute with;
+  - a cast between bfloat16 and anything but float32 converts the bits as a number. Such a
+    cast goes through float32 (exact for bfloat16, and how the GPU rounds).
 """
 
 from __future__ import annotations
@@ -34,4 +36,15 @@ def apply() -> None:
         return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = create_dot
+
+    cast = builder.cast_impl
+    f32 = tl.float32
+
+    def cast_impl(self, src, dst_type):
+        a, b = src.dtype.scalar, dst_type.scalar
+        if tl.bfloat16 in (a, b) and f32 not in (a, b) and a != b:
+            return cast(self, cast(self, src, f32), dst_type)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
     _applied = True

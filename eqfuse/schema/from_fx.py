@@ -351,6 +351,8 @@ BINARY_TARGETS = {
     aten.gt: "gt", aten.ge: "ge", aten.logical_and: "and", aten.logical_or: "or",
     aten.logical_xor: "xor", aten.bitwise_and: "and", aten.bitwise_or: "or", aten.bitwise_xor: "xor",
     prims.div: "div", aten.pow: "pow",
+    aten.bitwise_right_shift: "rshift", aten.__rshift__: "rshift",
+    aten.bitwise_left_shift: "lshift", aten.__lshift__: "lshift",
 }
 
 
@@ -362,7 +364,10 @@ def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
     if op == "pow" and not (isinstance(b, (int, float)) and ops.is_float(dt)):
         raise Unsupported("pow is supported on floats with a scalar exponent")
     if op in ("and", "or", "xor") and dt != "bool":
-        raise Unsupported(f"bitwise {op} on integers")
+        op = "bit" + op  # bitwise on integers, logical on bools
+    if op.startswith("bit") or op.endswith("shift"):
+        if ops.is_float(dt):
+            raise Unsupported(f"{op} on {dt}")
     if op in ops.COMPARISONS:
         compute = dtype_name(torch.result_type(_entry_meta(a), _entry_meta(b)))
         if op in ("and", "or", "xor"):

@@ -69,6 +69,12 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("and", torch.logical_and, "({a} & {b})"),
     OpDef("or", torch.logical_or, "({a} | {b})"),
     OpDef("xor", torch.logical_xor, "({a} ^ {b})"),
+    # On integers: bits (unpacking quantised weights).
+    OpDef("bitand", torch.bitwise_and, "({a} & {b})", 0.5),
+    OpDef("bitor", torch.bitwise_or, "({a} | {b})", 0.5),
+    OpDef("bitxor", torch.bitwise_xor, "({a} ^ {b})", 0.5),
+    OpDef("rshift", torch.bitwise_right_shift, "({a} >> {b})", 0.5),
+    OpDef("lshift", torch.bitwise_left_shift, "({a} << {b})", 0.5),
 ]}
 
 BOOL_UNARY = {"not", "isnan", "isinf"}  # unary ops whose result is bool
