@@ -27,7 +27,7 @@ import triton.testing
 
 import eqfuse
 from eqfuse.codegen import tiles
-from eqfuse.examples import tolerance
+from eqfuse.examples import MATMUL_EXAMPLES, tolerance
 from eqfuse.runtime import autotune
 
 
@@ -65,6 +65,11 @@ def workloads(quick: bool):
     out.append(("SwiGLU MLP Llama-7B (4096 tok) fp16", swiglu_mlp,
                 [rand(t, h, dtype=f16), rand(h, i, dtype=f16), rand(h, i, dtype=f16), rand(i, h, dtype=f16)],
                 3 * 2 * t * h * i, None, False))
+    int4 = MATMUL_EXAMPLES["int4_matmul"]
+    m, n, k = 4096 // s, 4096, 4096
+    packed = int4.make_inputs(m, n, k, f16, "cuda")
+    out.append(("int4-dequantised matmul 4096^3 fp16", int4.fn, [lambda x=x: x for x in packed], 2 * m * n * k,
+                None, False))
     return out
 
 
