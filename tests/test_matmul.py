@@ -159,3 +159,22 @@ def test_matmul_feeding_a_matmul_is_two_kernels():
     a, b, c = torch.randn(10, 12), torch.randn(12, 14), torch.randn(14, 9)
     compiled = compiled_and_checked(f, (a, b, c))
     assert len(compiled.kernels) == 2
+
+
+def test_a_chosen_tile_configuration_is_used_and_agrees():
+    """Any runnable tile shape computes the same product (here 20 tiles with ragged edges
+    and an epilogue); one that is not runnable is refused for the default."""
+    from eqfuse.codegen.module import generate_module
+    from eqfuse.runtime.cache import cache_key, load_module
+    ex = MATMUL_EXAMPLES["linear_gelu"]
+    inputs = ex.make_inputs(70, 50, 40, torch.float32, DEVICE)
+    compiled = eqfuse.compile(ex.fn, inputs)
+    (k,) = compiled.kernels
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 3}
+    source, infos = generate_module(compiled.plan, "tiles", "test", {k.name: cfg})
+    assert infos[0].grid == (20, 1) and infos[0].constexprs["GROUP_M"] == 2
+    module = load_module(cache_key(source), source, interpret=DEVICE == "cpu")
+    (out,) = module.call(inputs[0].device, [], *inputs)
+    assert_matches(out, ex.fn(*inputs), contraction=True)
+    _, infos = generate_module(compiled.plan, "tiles", "test", {k.name: {**cfg, "BLOCK_M": 24}})
+    assert infos[0].constexprs["BLOCK_M"] != 24

@@ -610,7 +610,7 @@ def fits(sched: Schedule, cfg: dict) -> bool:
     """Whether a configuration is one this schedule can run with (a tuned config read back
     from a cache is checked, never trusted)."""
     if sched.kind == "matmul":
-        return cfg in tiles.candidates(sched)
+        return tiles.runnable(cfg)
     if sched.kind == "pointwise":
         return set(cfg) == {"XBLOCK", "num_warps"}
     if set(cfg) != {"BLOCK_R", "BLOCK_C", "num_warps"}:

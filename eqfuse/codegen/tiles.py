@@ -63,6 +63,17 @@ def candidates(sched) -> list[dict]:
     return out
 
 
+CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
+
+
+def runnable(cfg: dict) -> bool:
+    """Whether a configuration (from a cache, or a user) is one a matmul kernel can run with."""
+    if set(cfg) != CONFIG_KEYS or not all(isinstance(v, int) for v in cfg.values()):
+        return False
+    pow2 = all(cfg[k] >= MIN_BLOCK and cfg[k] & (cfg[k] - 1) == 0 for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    return pow2 and cfg["GROUP_M"] >= 1 and cfg["num_warps"] in (1, 2, 4, 8, 16) and cfg["num_stages"] >= 1
+
+
 def modelled_time_us(sched, cfg: dict, device: Device = DEFAULT_DEVICE) -> float:
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = math.ceil(sched.m / bm) * math.ceil(sched.n / bn) * math.prod(sched.batch)
