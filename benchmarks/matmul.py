@@ -14,9 +14,6 @@ model's ranking can be checked against the GPU (Spearman rank correlation per ke
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 import time
 
@@ -24,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from common import inductor_compiled, save_results
 
 import eqfuse
 from eqfuse.codegen import tiles
@@ -141,12 +139,7 @@ def main(argv=None):
             rtol = 1e-2  # TF32 keeps 10 mantissa bits; eager and eqfuse round differently
         err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         ok = err <= rtol * 4
-        torch._dynamo.reset()
-        inductor = torch.compile(fn)
-        t0 = time.perf_counter()
-        inductor(*inputs)
-        torch.cuda.synchronize()
-        ind_compile_s = time.perf_counter() - t0
+        inductor, ind_compile_s = inductor_compiled(fn, inputs)
         contenders = {"eager": lambda: fn(*inputs), "inductor": lambda: inductor(*inputs),
                       "eqfuse": lambda: compiled(*inputs)}
         if core:
@@ -170,12 +163,7 @@ def main(argv=None):
               f"eqfuse {t_eq:8.1f} ({tf(t_eq):5.1f}){core_txt} kernels={len(compiled.kernels)} ok={ok} "
               f"compile {eq_compile_s:.1f}s", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    result = {"device": device, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "triton": triton.__version__, "eqfuse": eqfuse.__version__, "python": platform.python_version(),
-              "quick": args.quick, "results": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save_results(args.out, rows, quick=args.quick)
     return 0 if all(r["matches_eager"] for r in rows) else 1
 
 

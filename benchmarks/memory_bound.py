@@ -16,15 +16,13 @@ written once) / time / measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 import time
 
 import torch
 import triton
 import triton.testing
+from common import inductor_compiled, save_results
 
 import eqfuse
 from eqfuse.examples import residual_layernorm, rmsnorm, softmax, swiglu, tolerance
@@ -104,12 +102,7 @@ def main(argv=None):
         compiled = eqfuse.compile(fn, inputs)
         eq_compile_s = time.perf_counter() - t0
         ok = check(compiled(*inputs), ref, dtype)
-        torch._dynamo.reset()
-        inductor = torch.compile(fn)
-        t0 = time.perf_counter()
-        inductor(*inputs)
-        torch.cuda.synchronize()
-        ind_compile_s = time.perf_counter() - t0
+        inductor, ind_compile_s = inductor_compiled(fn, inputs)
         t_eager, t_ind, t_eq = bench(lambda: fn(*inputs)), bench(lambda: inductor(*inputs)), \
             bench(lambda: compiled(*inputs))
         g_eager, g_ind, g_eq = bench_graph(lambda: fn(*inputs)), bench_graph(lambda: inductor(*inputs)), \
@@ -132,12 +125,7 @@ def main(argv=None):
               f"({100 * ideal_us / t_eq:5.1f}% bw) | back to back: eager {g_eager:7.1f} inductor {g_ind:7.1f} "
               f"eqfuse {g_eq:7.1f} ({100 * ideal_us / g_eq:5.1f}% bw) | ideal {ideal_us:6.1f} ok={ok}",
               flush=True)
-    result = {"device": device, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "triton": triton.__version__, "eqfuse": eqfuse.__version__, "python": platform.python_version(),
-              "copy_bandwidth_GBps": round(bw / 1e9, 1), "quick": args.quick, "results": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save_results(args.out, rows, copy_bandwidth_GBps=round(bw / 1e9, 1), quick=args.quick)
     return 0 if all(r["matches_eager"] for r in rows) else 1
 
 

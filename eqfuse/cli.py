@@ -66,7 +66,7 @@ def cmd_demo(args) -> int:
     import eqfuse
 
     from .examples import ALL_EXAMPLES as EXAMPLES
-    from .examples import MATMUL_EXAMPLES, tolerance
+    from .examples import MATMUL_EXAMPLES, contraction_tolerance, tolerance
     device = _device()
     dtype = getattr(torch, DTYPES[args.dtype])
     print(f"eqfuse {eqfuse.__version__} demo on {device}"
@@ -87,10 +87,10 @@ def cmd_demo(args) -> int:
         got = got if isinstance(got, tuple) else (got,)
         ref = ref if isinstance(ref, tuple) else (ref,)
         err = max((g.float() - r.float()).abs().nan_to_num().max().item() for g, r in zip(got, ref))
-        rtol, atol = tolerance(dtype)
-        if ex.name in MATMUL_EXAMPLES:  # sums of products: error scales with the largest output
-            atol = max(atol, rtol * max(r.float().abs().max().item() for r in ref))
-        ok = all(torch.allclose(g.float(), r.float(), rtol=rtol, atol=atol, equal_nan=True) for g, r in zip(got, ref))
+        ok = True
+        for g, r in zip(got, ref):
+            rtol, atol = contraction_tolerance(dtype, r) if ex.name in MATMUL_EXAMPLES else tolerance(dtype)
+            ok &= torch.allclose(g.float(), r.float(), rtol=rtol, atol=atol, equal_nan=True)
         failures += not ok
         shape = "x".join(map(str, inputs[0].shape))
         line = (f"{ex.name:20s} {shape:>13s} {len(compiled.kernels):>7d} {len(compiled.fallbacks):>9d} "

@@ -210,6 +210,15 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
             torch.bfloat16: (5e-2, 5e-2), torch.float64: (1e-7, 1e-9)}.get(dtype, (0, 0))
 
 
+def contraction_tolerance(dtype: torch.dtype, ref: torch.Tensor) -> tuple[float, float]:
+    """(rtol, atol) for an output that sums many products (a matmul): its rounding error
+    scales with the largest output, not with each element, so atol is relative to that."""
+    rtol, atol = tolerance(dtype)
+    if ref.numel():
+        atol = max(atol, rtol * ref.float().abs().nan_to_num(0, 0, 0).max().item())
+    return rtol, atol
+
+
 ALL_EXAMPLES: dict[str, Example] = {**EXAMPLES, **MATMUL_EXAMPLES}
 
-__all__ = ["ALL_EXAMPLES", "EXAMPLES", "MATMUL_EXAMPLES", "Example", "math", "tolerance"]
+__all__ = ["ALL_EXAMPLES", "EXAMPLES", "MATMUL_EXAMPLES", "Example", "contraction_tolerance", "math", "tolerance"]

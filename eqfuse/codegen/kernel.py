@@ -312,18 +312,23 @@ class KernelWriter:
             return Val(f"{a.expr}", a.axes) if ops.is_float(dst) else Val(f"int({a.expr})", a.axes)
         return self.assign(f"{a.expr}.to({compute_dtype(dst)})", a.axes)
 
-    def _emit_broadcast(self, node, env):
-        return self.emit(node.args[0], broadcast_env(env, node.args[0].shape))
-
-    def _emit_reshape(self, node, env):
-        return self.emit(node.args[0], reshape_env(env, node.args[0].shape))
-
-    def _emit_permute(self, node, env):
-        return self.emit(node.args[0], permute_env(env, node.attrs[0], node.args[0].shape))
-
-    def _emit_slice(self, node, env):
+    @staticmethod
+    def operand_env(node, env) -> Env:
+        """Where an index map's operand is evaluated, given where the map itself is."""
+        src = node.args[0].shape
+        if node.op == "broadcast":
+            return broadcast_env(env, src)
+        if node.op == "reshape":
+            return reshape_env(env, src)
+        if node.op == "permute":
+            return permute_env(env, node.attrs[0], src)
         dim, start, step = node.attrs
-        return self.emit(node.args[0], slice_env(env, dim, start, step, node.args[0].shape))
+        return slice_env(env, dim, start, step, src)
+
+    def _emit_index_map(self, node, env):
+        return self.emit(node.args[0], self.operand_env(node, env))
+
+    _emit_broadcast = _emit_reshape = _emit_permute = _emit_slice = _emit_index_map
 
     def _emit_cat(self, node, env):
         (dim,) = node.attrs
@@ -370,10 +375,7 @@ class KernelWriter:
         ``axes`` names the tile's row and column axes; ``block`` is its shape."""
         base, benv = node, env
         while base.op in ("broadcast", "reshape", "permute"):
-            benv = {"broadcast": lambda: broadcast_env(benv, base.args[0].shape),
-                    "reshape": lambda: reshape_env(benv, base.args[0].shape),
-                    "permute": lambda: permute_env(benv, base.attrs[0], base.args[0].shape)}[base.op]()
-            base = base.args[0]
+            base, benv = base.args[0], self.operand_env(base, benv)
         want = self.s.dot_dtype
         raw = base.op == "load" and base.dtype == want
         key = ("operand", id(node), env_key(env))
@@ -523,7 +525,6 @@ class KernelWriter:
                f'    """FX nodes: {doc}"""']
         out += ["    " + b for b in body]
         return "\n".join(out) + "\n"
-
 
     def matmul_head(self, cfg: dict) -> list[str]:
         """Program -> output tile, in groups of GROUP_M tile-rows: programs that run together
