@@ -91,9 +91,13 @@ def build(fn, example_inputs, options) -> dict:
         return eager("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
     t0 = time.perf_counter()
     source, infos = generate_module(plan, title, VERSION)
-    if device_type == "cuda" and options.autotune and infos:
-        from .runtime.autotune import autotune
-        configs = autotune(plan, infos, title, VERSION, example_inputs, captured.constants)
+    if device_type == "cuda" and infos:
+        from .runtime.autotune import NoRunnableConfig, choose_configs
+        try:
+            configs = choose_configs(plan, infos, title, VERSION, example_inputs, captured.constants,
+                                     measure=options.autotune)
+        except NoRunnableConfig as e:
+            return eager(str(e))
         source, infos = generate_module(plan, title, VERSION, configs)
     seconds["codegen"] = time.perf_counter() - t0
     key = cache_key(source, device_type, VERSION, _triton_version())

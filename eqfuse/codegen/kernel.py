@@ -643,6 +643,14 @@ def tuning_candidates(sched: Schedule) -> list[dict]:
     return unique
 
 
+def fallback_candidates(sched: Schedule) -> list[dict]:
+    """Every configuration, the model's first choice first: what an untimed build walks
+    until one compiles on the device."""
+    if sched.kind == "matmul":
+        return tiles.ranked(sched)
+    return tuning_candidates(sched)
+
+
 def generate(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> tuple[str, Schedule, dict, list]:
     """Source of one kernel: (text, schedule, config, parameter buffers)."""
     sched = schedule_of(spec)
