@@ -6,7 +6,7 @@ from conftest import DEVICE, assert_matches
 
 import eqfuse
 from eqfuse.examples import EXAMPLES
-from eqfuse.rewrite.rules import ALGEBRA, CAST_ROUNDTRIPS, MATMUL, TorchBuilder, catalogue, rulesets
+from eqfuse.rewrite.rules import ALGEBRA, CAST_ROUNDTRIPS, MATMUL, SOFTMAX, TorchBuilder, catalogue, rulesets
 
 
 def _draw(domain, gen):
@@ -62,7 +62,7 @@ def test_cast_roundtrip_is_identity(narrow, wide):
 
 def test_every_rule_is_in_the_catalogue_and_built():
     names = {name for _, name, _ in catalogue()}
-    assert {r.name for r in ALGEBRA} | {r.name for r in MATMUL} <= names
+    assert {r.name for r in ALGEBRA} | {r.name for r in MATMUL} | {r.name for r in SOFTMAX} <= names
     assert "fuse-load-kernel" in names
     assert set(rulesets()) == {"algebra", "views", "fusion"}
 
@@ -110,3 +110,19 @@ def test_view_rules_are_sound(seed):
     assert torch.equal(x.reshape(s1).reshape(s2), x.reshape(s2))
     assert torch.equal(x.reshape(x.shape), x)
     assert torch.equal(x.broadcast_to(x.shape), x)
+
+
+@pytest.mark.parametrize("rule", SOFTMAX, ids=lambda r: r.name)
+def test_softmax_rule_is_sound(rule):
+    """Both sides on random scores, values and positive row factors; a score row may be
+    far from zero (the row max is what keeps exp finite) and hold -inf (a mask)."""
+    gen = torch.Generator(device="cpu").manual_seed(hash(rule.name) % 2**31)
+    for b, m, n, d in ((1, 1, 1, 1), (2, 5, 7, 3), (3, 17, 33, 9)):
+        s = torch.randn(b, m, n, dtype=torch.float64, generator=gen) * 4 + 30
+        s[..., 1:][torch.rand(b, m, n - 1, generator=gen) < 0.3] = float("-inf")
+        v = torch.randn(b, n, d, dtype=torch.float64, generator=gen)
+        r = torch.rand(b, m, 1, dtype=torch.float64, generator=gen) + 0.5
+        x = torch.exp(s - s.amax(-1, keepdim=True)) if rule.row_factor else s
+        lhs, rhs = rule.pattern(TorchBuilder(), x, v, r)
+        tol = 1e-10 if rule.exact else 2e-3  # float16 rounding of the weights
+        torch.testing.assert_close(lhs, rhs, rtol=tol, atol=tol)

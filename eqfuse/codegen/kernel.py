@@ -64,6 +64,8 @@ class Schedule:
     k: int = 0
     dot_dtype: str = ""
     dots: int = 0
+    d: int = 0  # attention: [*batch, M, N] scores, values [*batch, N, D]; k is q's head dim
+    band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
 
     @property
     def sizes(self) -> dict:
@@ -72,6 +74,9 @@ class Schedule:
             return {"xnumel": self.numel}
         if self.kind == "reduction":
             return {"R": self.rows, "C": self.cols}
+        if self.kind == "attention":
+            head = {"E": self.k, "BLOCK_E": max(16, next_pow2(self.k))} if self.k else {}
+            return {"M": self.m, "N": self.n, "D": self.d, "BLOCK_D": max(16, next_pow2(self.d)), **head}
         return {"M": self.m, "N": self.n, "K": self.k}
 
     def describe(self) -> str:
@@ -81,6 +86,11 @@ class Schedule:
             how = "whole row in registers" if self.persistent else "looped"
             return f"{self.rows} rows x {self.cols} reduced ({how})"
         batch = f"{math.prod(self.batch)} x " if self.batch else ""
+        if self.kind == "attention":
+            scores = f"[{self.m} x {self.k}] @ [{self.k} x {self.n}]" if self.k else f"[{self.m} x {self.n}]"
+            band = f", columns {self.band[0]:+d}..{self.band[1]:+d} of the diagonal" if self.band else ""
+            return (f"attention {batch}softmax({scores}) @ [{self.n} x {self.d}] {self.dot_dtype}, "
+                    f"streamed over {self.n} keys{band}")
         products = f", {self.dots} products" if self.dots > 1 else ""
         return f"matmul {batch}[{self.m} x {self.k}] @ [{self.k} x {self.n}] {self.dot_dtype}{products}"
 
@@ -89,6 +99,8 @@ class Schedule:
             return (-(-self.numel // cfg["XBLOCK"]),)
         if self.kind == "reduction":
             return (-(-self.rows // cfg["BLOCK_R"]),)
+        if self.kind == "attention":
+            return (-(-self.m // cfg["BLOCK_M"]), math.prod(self.batch))
         tiles = -(-self.m // cfg["BLOCK_M"]) * -(-self.n // cfg["BLOCK_N"])
         return (tiles, math.prod(self.batch))
 
@@ -117,6 +129,10 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
 
 def schedule_of(spec: KernelSpec) -> Schedule:
     nodes = spec.walk()
+    from .attention import attention_schedule, streams
+    flows = streams(spec)
+    if flows:
+        return attention_schedule(spec, flows)
     dots = [n for n in nodes if n.op == "dot"]
     if dots:
         return _matmul_schedule(spec, dots)
@@ -383,7 +399,7 @@ class KernelWriter:
             return self.memo_loop[key].expr
         v = self._emit_load(base, benv, upcast=False) if raw else self.emit(node, env)
         expr = v.expr
-        kaxis = axes[0] if axes[0] in "kj" else axes[1]
+        kaxis = next(a for a in axes if a in "kjef")  # the contracted one
         # A load past K reads 0 through its mask; anything else (a computed value, or one
         # constant along K, as when K is 1) is zeroed there explicitly.
         if kaxis in self.uneven and (not raw or kaxis not in v.axes):
@@ -454,16 +470,16 @@ class KernelWriter:
     def store(self, root: PNode, buf: str, env: Env):
         v = self.emit(root, env)
         lin = strided_offset(env, self.buffers[buf].layout, root.shape)  # graph outputs: eager's strides
-        if self.s.kind == "matmul":
-            # A unit M or N has index 0, yet the tile still has BLOCK_M x BLOCK_N lanes, of
-            # which the mask keeps the first: the pointer takes the tile's shape.
-            for axis, name in (("m", "mindex"), ("n", "nindex")):
-                if axis not in lin.axes:
-                    lin = Idx(f"{lin.expr} + 0 * {name}", lin.axes | {axis})
+        # A unit M or N has index 0, yet the tile still has BLOCK_M x BLOCK_N lanes, of
+        # which the mask keeps the first: the pointer takes the tile's shape.
+        for axis, name in self.tile_axes(root):
+            if axis not in lin.axes:
+                lin = Idx(f"{lin.expr} + 0 * {name}", lin.axes | {axis})
         axes = lin.axes
         block = {"x": "[XBLOCK]", "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]",
-                 "m": "[BLOCK_M, 1]", "n": "[1, BLOCK_N]", "mn": "[BLOCK_M, BLOCK_N]"}
-        want = "".join(a for a in "xrcmn" if a in axes)
+                 "m": "[BLOCK_M, 1]", "n": "[1, BLOCK_N]", "mn": "[BLOCK_M, BLOCK_N]",
+                 "d": "[1, BLOCK_D]", "md": "[BLOCK_M, BLOCK_D]"}
+        want = "".join(a for a in "xrcmnd" if a in axes)
         expr = v.expr
         if want and not set(want) <= set(v.axes):
             expr = f"tl.where(tl.full({block[want]}, 1, tl.int1), {expr}, {expr})"
@@ -474,11 +490,17 @@ class KernelWriter:
         text = f"tl.store({ptr}, ({expr}).to({buf}.dtype.element_ty)" + (f", mask={m})" if m else ")")
         self.line(text, axes)
 
+    def tile_axes(self, root: PNode) -> tuple:
+        """(axis, index) pairs a stored tile spans even where the root does not vary."""
+        return (("m", "mindex"), ("n", "nindex")) if self.s.kind == "matmul" else ()
+
     def write(self, cfg: dict) -> str:
         s = self.s
         head = []
         pid = f"tl.program_id(0){self.index_dtype_cast}"
-        if s.kind == "pointwise":
+        if s.kind == "attention":
+            head = self.write_body(cfg)
+        elif s.kind == "pointwise":
             if s.numel % cfg["XBLOCK"]:
                 self.uneven["x"] = "xmask"
             head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
@@ -595,6 +617,9 @@ def default_config(sched: Schedule) -> dict:
     """Block sizes and warps for the shapes this kernel was compiled for."""
     if sched.kind == "matmul":
         return tiles.ranked(sched)[0]
+    if sched.kind == "attention":
+        from . import attention
+        return attention.candidates(sched)[0]
     if sched.kind == "pointwise":
         xblock = min(1024, max(16, next_pow2(sched.numel)))
         return {"XBLOCK": xblock, "num_warps": max(1, min(4, xblock // 256))}
@@ -612,6 +637,9 @@ def fits(sched: Schedule, cfg: dict) -> bool:
     from a cache is checked, never trusted)."""
     if sched.kind == "matmul":
         return tiles.runnable(cfg)
+    if sched.kind == "attention":
+        from . import attention
+        return attention.runnable(cfg)
     if sched.kind == "pointwise":
         return set(cfg) == {"XBLOCK", "num_warps"}
     if set(cfg) != {"BLOCK_R", "BLOCK_C", "num_warps"}:
@@ -625,6 +653,9 @@ def tuning_candidates(sched: Schedule) -> list[dict]:
     """Alternatives the GPU autotuner times (the default first)."""
     if sched.kind == "matmul":
         return tiles.ranked(sched)[:MATMUL_FINALISTS]
+    if sched.kind == "attention":
+        from . import attention
+        return attention.candidates(sched)
     base = default_config(sched)
     cands = [base]
     if sched.kind == "pointwise":
@@ -656,6 +687,10 @@ def generate(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> tuple[
     sched = schedule_of(spec)
     if cfg is None or not fits(sched, cfg):
         cfg = default_config(sched)
-    w = KernelWriter(spec, buffers, sched)
+    if sched.kind == "attention":
+        from .attention import AttentionWriter
+        w = AttentionWriter(spec, buffers, sched)
+    else:
+        w = KernelWriter(spec, buffers, sched)
     text = w.write(cfg)
     return text, sched, cfg, w.params

@@ -31,7 +31,7 @@ from .egraph_json import EGraphView, ENode
 
 OP_COST = {"Load": 1.0, "LoadStrided": 1.0, "Const": 0.01, "Iota": 0.1, "Where": 1.0, "Cast": 0.5,
            "Reduce": 2.0, "Broadcast": 0.05, "Reshape": 0.05, "Permute": 0.05, "Slice": 0.05, "Cat": 1.0,
-           "Dot": 2.0}
+           "Dot": 2.0, "ExpDot": 3.0, "ExpSum": 2.0}
 # A matmul kernel evaluates its operands once per output tile they meet: an operand of
 # [M, K] is computed about N / DOT_TILE times. Work moves to the epilogue when that is cheaper.
 DOT_TILE = 128
@@ -125,6 +125,12 @@ class Extractor:
         if op == "Dot":
             x, y = t(a[0]), t(a[1])
             return x and y and (x[0][:-1] + y[0][-1:], x[1])
+        if op == "ExpDot":
+            x, y = t(a[0]), t(a[1])
+            return x and y and (x[0][:-1] + y[0][-1:], y[1])
+        if op == "ExpSum":
+            x = t(a[0])
+            return x and (x[0][:-1] + (1,), x[1])
         if op in ("Broadcast", "Reshape"):
             x = t(a[0])
             return x and (tuple(a[1]), x[1])
@@ -187,6 +193,8 @@ class Extractor:
         if n.op == "Dot" and len(shape) >= 2:
             m, nn = shape[-2], shape[-1]
             return size, [math.ceil(nn / DOT_TILE), math.ceil(m / DOT_TILE)]
+        if n.op == "ExpDot" and len(shape) >= 2:  # scores once per row tile, values per row tile
+            return size, [1.0, math.ceil(shape[-2] / DOT_TILE)]
         return size, [1.0] * len(kids)
 
     def _inline_choices(self) -> dict[str, ENode]:
@@ -423,8 +431,10 @@ class Extractor:
                 p = PNode("slice", (a[1], a[2], a[3]), (build(a[0]),), shape, dtype, c)
             elif n.op == "Cat":
                 p = PNode("cat", (a[2],), (build(a[0]), build(a[1])), shape, dtype, c)
-            elif n.op == "Dot":
-                p = PNode("dot", (), (build(a[0]), build(a[1])), shape, dtype, c)
+            elif n.op in ("Dot", "ExpDot"):
+                p = PNode(n.op.lower(), (), (build(a[0]), build(a[1])), shape, dtype, c)
+            elif n.op == "ExpSum":
+                p = PNode("expsum", (), (build(a[0]),), shape, dtype, c)
             else:
                 raise ExtractionError(f"unknown e-node {n.op}")
             memo[c] = p

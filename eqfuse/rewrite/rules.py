@@ -96,6 +96,45 @@ MATMUL: list[MatmulRule] = [
     MatmulRule("dot-neg-right", lambda k, a, b, s: (k.dot(a, _u(k, "neg", b)), _u(k, "neg", k.dot(a, b)))),
 ]
 
+@dataclass(frozen=True)
+class SoftmaxRule:
+    """A rule over scores ``s`` (or weights ``x``) [*b, M, N], values ``v`` [*b, N, D] and a
+    row vector ``r`` [*b, M, 1] (positive). ``exact=False``: the sides differ by rounding
+    in the narrow dtype only (a value is rounded before a division instead of after, or
+    the product's weights are rounded to ``v``'s dtype)."""
+    name: str
+    pattern: Callable  # (builder, s, v, r) -> (lhs, rhs)
+    exact: bool = True
+    row_factor: bool = False  # uses r (checked to be constant along its last axis)
+
+
+def _stable_exp(k, s):
+    """exp(s - rowmax(s)): softmax's numerator as torch decomposes it."""
+    return _u(k, "exp", _b(k, "sub", s, k.bcast_in(k.rowmax(s))))
+
+
+# What flash attention relies on, as rules. A factor constant along a row of the left
+# operand (softmax's 1 / rowsum) moves out of the product along that row; what is left,
+# a product (or a sum) of exp(s - rowmax(s)), is an ExpDot (ExpSum), which the code
+# generator streams over N with a running max (codegen/attention.py). Softmax computed in
+# float32 and rounded for the product is matched with its casts.
+SOFTMAX: list[SoftmaxRule] = [
+    SoftmaxRule("dot-row-div", lambda k, x, v, r: (
+        k.dot(_b(k, "div", x, k.bcast_in(r)), v), _b(k, "div", k.dot(x, v), k.bcast_out(r))), row_factor=True),
+    SoftmaxRule("dot-row-mul", lambda k, x, v, r: (
+        k.dot(_b(k, "mul", x, k.bcast_in(r)), v), _b(k, "mul", k.dot(x, v), k.bcast_out(r))), row_factor=True),
+    SoftmaxRule("dot-row-div-rounded", lambda k, x, v, r: (
+        k.dot(k.narrow(_b(k, "div", x, k.bcast_in(r))), v),
+        k.narrow(_b(k, "div", k.wide(k.dot(k.narrow(x), v)), k.bcast_out(r)))), exact=False, row_factor=True),
+    SoftmaxRule("dot-row-mul-rounded", lambda k, x, v, r: (
+        k.dot(k.narrow(_b(k, "mul", x, k.bcast_in(r))), v),
+        k.narrow(_b(k, "mul", k.wide(k.dot(k.narrow(x), v)), k.bcast_out(r)))), exact=False, row_factor=True),
+    SoftmaxRule("softmax-sum", lambda k, s, v, r: (k.rowsum(_stable_exp(k, s)), k.expsum(s))),
+    SoftmaxRule("softmax-dot", lambda k, s, v, r: (k.dot(_stable_exp(k, s), v), k.expdot(s, v))),
+    SoftmaxRule("softmax-dot-rounded", lambda k, s, v, r: (k.dot(k.narrow(_stable_exp(k, s)), v), k.expdot(s, v)),
+                exact=False),
+]
+
 # Casts through a wider float and back are the identity on the narrow value.
 CAST_ROUNDTRIPS = [
     ("float16", "float32"), ("bfloat16", "float32"), ("float16", "float64"),
@@ -120,6 +159,30 @@ class TorchBuilder:
 
     def dot(self, a, b):
         return a @ b
+
+    # Softmax rules: broadcasts are implicit in torch; ``narrow`` rounds to float16.
+    def bcast_in(self, x):
+        return x
+
+    bcast_out = bcast_in
+
+    def narrow(self, x):
+        return x.to(torch.float16).to(x.dtype)
+
+    def wide(self, x):
+        return x
+
+    def rowmax(self, x):
+        return x.amax(-1, keepdim=True)
+
+    def rowsum(self, x):
+        return x.sum(-1, keepdim=True)
+
+    def expdot(self, s, v):
+        return self.dot(torch.exp(s - self.rowmax(s)), v)
+
+    def expsum(self, s):
+        return self.rowsum(torch.exp(s - self.rowmax(s)))
 
 
 class EgglogBuilder:
@@ -156,6 +219,71 @@ class EgglogBuilder:
         from ..schema.terms import Dot
         return Dot(a, b)
 
+    # Softmax rules. Shapes and dtypes the right side needs are bound from the left side's
+    # analyses (``conditions``): the product's shape, the narrow and the wide float.
+    def _fresh(self, name, sort):
+        self._n += 1
+        return self._var(f"{name}{self._n}", sort)
+
+    def bcast_in(self, x):
+        from egglog import Vec
+
+        from ..schema.terms import Broadcast
+        return Broadcast(x, self._fresh("shape", Vec[self._i64]))
+
+    def bcast_out(self, x):
+        from egglog import Vec
+
+        from ..schema.terms import Broadcast
+        return Broadcast(x, self._var("out_shape", Vec[self._i64]))
+
+    def narrow(self, x):
+        from ..schema.terms import Cast
+        return Cast(x, self._var("narrow", self._i64))
+
+    def wide(self, x):
+        from ..schema.terms import Cast
+        self.uses_wide = True
+        return Cast(x, self._var("wide", self._i64))
+
+    def rowmax(self, x):
+        from ..schema.terms import Reduce
+        return Reduce("max", x)
+
+    def rowsum(self, x):
+        from ..schema.terms import Reduce
+        return Reduce("sum", x)
+
+    def expdot(self, s, v):
+        from ..schema.terms import ExpDot
+        return ExpDot(s, v)
+
+    def expsum(self, s):
+        from ..schema.terms import ExpSum
+        return ExpSum(s)
+
+
+def _softmax_rules() -> list:
+    from egglog import Vec, eq, i64, rule, union, var
+
+    from ..schema.terms import Value, vdtype, vshape
+
+    rules = []
+    for r in SOFTMAX:
+        k = EgglogBuilder()
+        s, v, row, root = var("s", Value), var("v", Value), var("r", Value), var("root", Value)
+        lhs, rhs = r.pattern(k, s, v, row)
+        conds = [eq(root).to(lhs)]
+        if r.row_factor:
+            # r must be constant along the row it scales; its broadcast takes the product's shape.
+            rs = var("rs", Vec[i64])
+            conds += [eq(vshape(row)).to(rs), eq(rs[rs.length() - i64(1)]).to(i64(1)),
+                      eq(vshape(root)).to(var("out_shape", Vec[i64]))]
+        if getattr(k, "uses_wide", False):  # the float the weights were computed in
+            conds.append(eq(vdtype(s)).to(var("wide", i64)))
+        rules.append(rule(*conds, name=r.name).then(union(root).with_(rhs)))
+    return rules
+
 
 def _algebra_ruleset():
     from egglog import eq, i64, rule, ruleset, union, var
@@ -175,6 +303,8 @@ def _algebra_ruleset():
         lhs, rhs = r.pattern(k, var("a", Value), var("b", Value), k.scalar())
         root = var("root", Value)
         rules.append(rule(eq(root).to(lhs), name=r.name).then(union(root).with_(rhs)))
+
+    rules += _softmax_rules()
 
     x, root, d = var("x", Value), var("root", Value), var("d", i64)
     for narrow, wide in CAST_ROUNDTRIPS:
@@ -242,7 +372,30 @@ def catalogue() -> list[tuple[str, str, str]]:
             return repr(value)
 
         def dot(self, a, b):
-            return f"{a} @ {b}"
+            return f"({a} @ {b})"
+
+        def bcast_in(self, x):
+            return x
+
+        bcast_out = bcast_in
+
+        def narrow(self, x):
+            return f"narrow({x})"
+
+        def wide(self, x):
+            return f"wide({x})"
+
+        def rowmax(self, x):
+            return f"rowmax({x})"
+
+        def rowsum(self, x):
+            return f"rowsum({x})"
+
+        def expdot(self, s, v):
+            return f"expdot({s}, {v})"
+
+        def expsum(self, s):
+            return f"expsum({s})"
 
     names = "xyzw"
     for r in ALGEBRA:
@@ -250,6 +403,9 @@ def catalogue() -> list[tuple[str, str, str]]:
         rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
     for r in MATMUL:
         lhs, rhs = r.pattern(Show(), "a", "b", "s")
+        rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
+    for r in SOFTMAX:
+        lhs, rhs = r.pattern(Show(), "s" if not r.row_factor else "x", "v", "r")
         rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
     for narrow, wide in CAST_ROUNDTRIPS:
         rows.append(("algebra", f"cast-{narrow}-{wide}-{narrow}",

@@ -63,6 +63,11 @@ def _eval(node: PNode, buffers: dict, memo: dict, device) -> torch.Tensor:
         v = torch.cat([a[0], a[1]], at[0])
     elif op == "dot":
         v = torch.matmul(a[0], a[1])
+    elif op == "expdot":
+        weights = torch.exp(a[0] - a[0].amax(-1, keepdim=True)).to(ops.DTYPES[node.args[1].dtype])
+        v = torch.matmul(weights.to(a[1].dtype), a[1])
+    elif op == "expsum":
+        v = torch.exp(a[0] - a[0].amax(-1, keepdim=True)).sum(-1, keepdim=True)
     else:  # pragma: no cover - every plan op is listed above
         raise AssertionError(op)
     memo[id(node)] = v

@@ -8,6 +8,9 @@ something the GPU does not, it is corrected here rather than worked around in th
     first (exact), which is what the tensor cores compute with;
   - a cast between bfloat16 and anything but float32 converts the bits as a number. Such a
     cast goes through float32 (exact for bfloat16, and how the GPU rounds).
+* triton 3.6: a scalar computed with ``tl.minimum`` / ``tl.maximum`` is a one-element array
+  that ``range`` cannot take as a bound (attention's loop over the columns a causal mask
+  leaves). Such a scalar converts to an index through its one element.
 """
 
 from __future__ import annotations
@@ -47,4 +50,12 @@ def apply() -> None:
         return cast(self, src, dst_type)
 
     builder.cast_impl = cast_impl
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
     _applied = True

@@ -672,8 +672,9 @@ def _split(tr, node, x, sizes, dim=0):
 MATMUL_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _dot(tr, node, a, b) -> Computed:
-    shape, dt = _out(node)
+def _dot(tr, node, a, b, shape=None) -> Computed:
+    dt = _out(node)[1]
+    shape = shape or _out(node)[0]
     for x in (a, b):
         if not isinstance(x, (BufferView, Computed)):
             raise Unsupported("matmul of a non-tensor")
@@ -688,7 +689,39 @@ def _dot(tr, node, a, b) -> Computed:
 
 @handles(aten.mm, aten.bmm)
 def _mm(tr, node, a, b):
-    return _dot(tr, node, a, b)
+    batched = _unflattened_batch(tr, node)
+    if batched is None:
+        return _dot(tr, node, a, b)
+    # torch's matmul flattens the batch dims of both operands into one for bmm and views
+    # the result back: the product is stated over the batch dims themselves, so that rules
+    # meet the operands as computed (the softmax feeding attention's second product).
+    a4, b4 = batched
+    d = _dot(tr, node, a4, b4, a4.shape[:-1] + b4.shape[-1:])
+    shape, dt = _out(node)
+    return Computed(tr.mk(tr.t.Reshape(d.term, tr.t.ivec(shape)), dt, shape), shape, dt)
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _unflattened_batch(tr, node):
+    """For ``bmm(view(a), view(b))`` where both views only merge the batch dims of a and b
+    (same batch shape, rank > 3): the entries of a and b. None otherwise."""
+    if node.target is not aten.bmm.default:
+        return None
+    sources = []
+    for arg in node.args[:2]:
+        if not (isinstance(arg, torch.fx.Node) and arg.target in _VIEWS):
+            return None
+        src = arg.args[0]
+        inner, outer = _meta(src), _meta(arg)
+        if inner is None or inner.dim() <= 3 or tuple(inner.shape[-2:]) != tuple(outer.shape[-2:]):
+            return None
+        sources.append(src)
+    a, b = (_meta(s) for s in sources)
+    if tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
+        return None
+    return tuple(tr.env[s] for s in sources)
 
 
 @handles(aten.addmm, aten.baddbmm)

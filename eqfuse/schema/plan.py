@@ -24,6 +24,7 @@ def contiguous_strides(shape) -> tuple:
 @dataclass(eq=False)
 class PNode:
     op: str  # load const iota unary binary where cast reduce broadcast reshape permute slice cat
+    #          dot expdot expsum
     attrs: tuple
     args: tuple
     shape: tuple

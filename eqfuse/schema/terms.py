@@ -6,9 +6,10 @@ Two sorts, as in the e-graph tensor compilers this project learns from:
   (``Kernel(value)``).
 * ``Value`` lives inside one kernel. ``Load(t)`` reads a kernel output whole and contiguous,
   ``LoadStrided`` reads an input buffer through a strided view. Everything else is
-  pointwise arithmetic, a reduction over the last axis, a matrix product (``Dot``), or an
-  index map (broadcast, reshape, permute, slice, cat) that changes how the iteration index
-  reaches the operand.
+  pointwise arithmetic, a reduction over the last axis, a matrix product (``Dot``), a
+  streamed softmax product (``ExpDot``, ``ExpSum``: attention), or an index map
+  (broadcast, reshape, permute, slice, cat) that changes how the iteration index reaches
+  the operand.
 
 The translator first states every FX op as its own kernel; the fusion rule
 ``Load(Kernel(u)) == u`` then offers the fused form and extraction chooses where kernel
@@ -108,6 +109,20 @@ def Dot(a: Value, b: Value) -> Value:
     ``[*batch, M, K] x [*batch, K, N] -> [*batch, M, N]`` (same batch dims; a broadcast
     batch is an index map on the operand). Accumulates in float32; the result has the
     operands' dtype."""
+
+
+@function
+def ExpDot(s: Value, v: Value) -> Value:
+    """``Dot(Cast(exp(s - rowmax(s)), dtype(v)), v)``: the product of the unnormalised
+    softmax of the scores ``s`` [*batch, M, N] with ``v`` [*batch, N, D], accumulated in
+    float32; the result has ``v``'s dtype. It is the part of attention that streams: the
+    row max may be a running max, the accumulator rescaled when it grows."""
+
+
+@function
+def ExpSum(s: Value) -> Value:
+    """``Reduce_sum(exp(s - rowmax(s)))`` [*batch, M, 1]: the softmax denominator, which
+    streams with the same running max as ``ExpDot``."""
 
 
 @function
