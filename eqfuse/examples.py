@@ -2,7 +2,8 @@
 number of kernels eqfuse should make of it. ``eqfuse demo`` and the tests use them.
 
 ``EXAMPLES`` work row by row (inputs made from ``rows, cols``); ``MATMUL_EXAMPLES`` are
-matrix products (inputs made from ``m, n, k``)."""
+matrix products (inputs made from ``m, n, k``); ``ATTENTION_EXAMPLES`` are attention
+spelled in the ways people write it (inputs made from ``batch, heads, seq, head_dim``)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,67 @@ def int4_matmul(x, packed, scale, zero):
     return x @ ((q - per_row(zero)) * per_row(scale))
 
 
+# --- attention, spelled the ways people write it ----------------------------------------------
+# q, k, v are [batch, heads, seq, head_dim]; each must become one streamed kernel.
+
+def _causal_mask(s):
+    n = s.shape[-1]
+    return torch.tril(torch.ones(s.shape[-2], n, dtype=torch.bool, device=s.device))
+
+
+def attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def attention_scale_on_q(q, k, v):
+    return torch.softmax((q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def attention_scale_split(q, k, v):
+    """The scale split between q and k as the square root of it on each."""
+    s = q.shape[-1] ** -0.25
+    return torch.softmax((q * s) @ (k * s).transpose(-1, -2), dim=-1) @ v
+
+
+def causal_attention(q, k, v):
+    """tril + masked_fill, softmax in float32 and rounded back for the second product."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~_causal_mask(s), float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def causal_attention_where(q, k, v):
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    return torch.softmax(torch.where(_causal_mask(s), s, float("-inf")), dim=-1) @ v
+
+
+def causal_attention_bias(q, k, v):
+    """An additive bias of -inf above the diagonal, built by comparing index ranges."""
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    bias = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill(i[None, :] > i[:, None], float("-inf"))
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
+    return torch.softmax(s, dim=-1) @ v
+
+
+def padded_attention(q, k, v, keep):
+    """A padding mask given as a tensor: ``keep`` [batch, 1, 1, seq] is False on padding."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def gqa_attention(q, k, v):
+    """Grouped-query attention: k and v have fewer heads, repeated for each group of q's."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v[:, :, None].expand(v.shape[0], v.shape[1], groups, *v.shape[2:]).reshape(k.shape)
+    return causal_attention(q, k, v)
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 @dataclass(frozen=True)
 class Example:
     name: str
@@ -178,6 +240,36 @@ def _int4(m, n, k, dtype, device):
     return torch.randn(m, k, dtype=dtype, device=device), packed, scale, zero
 
 
+def _qkv(batch, heads, seq, head_dim, dtype, device, kv_heads=None):
+    kv = kv_heads or heads
+    return (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device),
+            torch.randn(batch, kv, seq, head_dim, dtype=dtype, device=device),
+            torch.randn(batch, kv, seq, head_dim, dtype=dtype, device=device))
+
+
+def _qkv_padded(batch, heads, seq, head_dim, dtype, device):
+    lengths = torch.arange(batch, device=device) * seq // max(batch, 1) + max(1, seq // 2)
+    keep = torch.arange(seq, device=device)[None, :] < lengths.clamp(max=seq)[:, None]
+    return (*_qkv(batch, heads, seq, head_dim, dtype, device), keep[:, None, None, :])
+
+
+def _qkv_grouped(batch, heads, seq, head_dim, dtype, device):
+    return _qkv(batch, heads, seq, head_dim, dtype, device, kv_heads=max(1, heads // 2))
+
+
+ATTENTION_EXAMPLES: dict[str, Example] = {e.name: e for e in [
+    Example("attention", attention, _qkv, 1, (2, 4, 128, 64)),
+    Example("attention_scale_on_q", attention_scale_on_q, _qkv, 1, (2, 4, 128, 64)),
+    Example("attention_scale_split", attention_scale_split, _qkv, 1, (2, 4, 128, 64)),
+    Example("causal_attention", causal_attention, _qkv, 1, (2, 4, 128, 64)),
+    Example("causal_attention_where", causal_attention_where, _qkv, 1, (2, 4, 128, 64)),
+    Example("causal_attention_bias", causal_attention_bias, _qkv, 1, (2, 4, 128, 64)),
+    Example("padded_attention", padded_attention, _qkv_padded, 1, (2, 4, 128, 64)),
+    Example("gqa_attention", gqa_attention, _qkv_grouped, 1, (2, 4, 128, 64)),
+    Example("sdpa_causal", sdpa_causal, _qkv, 1, (2, 4, 128, 64)),
+]}
+
+
 MATMUL_EXAMPLES: dict[str, Example] = {e.name: e for e in [
     Example("matmul", matmul, _mm, 1, (256, 256, 256)),
     Example("linear_gelu", linear_gelu, _linear_gelu, 1, (256, 256, 256)),
@@ -219,6 +311,7 @@ def contraction_tolerance(dtype: torch.dtype, ref: torch.Tensor) -> tuple[float,
     return rtol, atol
 
 
-ALL_EXAMPLES: dict[str, Example] = {**EXAMPLES, **MATMUL_EXAMPLES}
+ALL_EXAMPLES: dict[str, Example] = {**EXAMPLES, **MATMUL_EXAMPLES, **ATTENTION_EXAMPLES}
 
-__all__ = ["ALL_EXAMPLES", "EXAMPLES", "MATMUL_EXAMPLES", "Example", "contraction_tolerance", "math", "tolerance"]
+__all__ = ["ALL_EXAMPLES", "ATTENTION_EXAMPLES", "EXAMPLES", "MATMUL_EXAMPLES", "Example", "contraction_tolerance",
+           "math", "tolerance"]

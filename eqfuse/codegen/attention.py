@@ -23,6 +23,7 @@ program's loop runs over its rows' band only.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -55,7 +56,34 @@ def _pow2(n: int) -> int:
 
 
 def streams(spec: KernelSpec) -> list[PNode]:
-    return [n for n in spec.walk() if n.op in ("expdot", "expsum")]
+    """The softmax products and sums of an attention kernel; none where there is no product
+    (a softmax's ``ExpSum`` alone is an ordinary row reduction: see ``spelled_out``)."""
+    flows = [n for n in spec.walk() if n.op in ("expdot", "expsum")]
+    return flows if any(n.op == "expdot" for n in flows) else []
+
+
+def spelled_out(spec: KernelSpec) -> KernelSpec:
+    """``spec`` with each ``ExpSum(s)`` written as ``sum(exp(s - rowmax(s)))``, for the row
+    reduction schedule (a softmax whose sum the rules turned into an ExpSum)."""
+    if not any(n.op == "expsum" for n in spec.walk()):
+        return spec
+    memo: dict[int, PNode] = {}
+
+    def go(n: PNode) -> PNode:
+        if id(n) not in memo:
+            args = tuple(go(a) for a in n.args)
+            if n.op == "expsum":
+                (s,) = args
+                row = s.shape[:-1] + (1,)
+                top = PNode("reduce", ("max",), (s,), row, s.dtype)
+                shifted = PNode("binary", ("sub",), (s, PNode("broadcast", (), (top,), s.shape, s.dtype)),
+                                s.shape, s.dtype)
+                exp = PNode("unary", ("exp",), (shifted,), s.shape, s.dtype)
+                memo[id(n)] = PNode("reduce", ("sum",), (exp,), row, n.dtype, n.eclass)
+            else:
+                memo[id(n)] = n if args == n.args else replace(n, args=args)
+        return memo[id(n)]
+    return replace(spec, roots=[(go(r), b) for r, b in spec.roots])
 
 
 def attention_schedule(spec: KernelSpec, flows: list[PNode]):

@@ -88,7 +88,8 @@ class Schedule:
         batch = f"{math.prod(self.batch)} x " if self.batch else ""
         if self.kind == "attention":
             scores = f"[{self.m} x {self.k}] @ [{self.k} x {self.n}]" if self.k else f"[{self.m} x {self.n}]"
-            band = f", columns {self.band[0]:+d}..{self.band[1]:+d} of the diagonal" if self.band else ""
+            band = f", row i sees keys i{self.band[0]:+d}..i{self.band[1]:+d} (other tiles skipped)" \
+                if self.band else ""
             return (f"attention {batch}softmax({scores}) @ [{self.n} x {self.d}] {self.dot_dtype}, "
                     f"streamed over {self.n} keys{band}")
         products = f", {self.dots} products" if self.dots > 1 else ""
@@ -128,11 +129,11 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
 
 
 def schedule_of(spec: KernelSpec) -> Schedule:
-    nodes = spec.walk()
-    from .attention import attention_schedule, streams
+    from .attention import attention_schedule, spelled_out, streams
     flows = streams(spec)
     if flows:
         return attention_schedule(spec, flows)
+    nodes = spelled_out(spec).walk()
     dots = [n for n in nodes if n.op == "dot"]
     if dots:
         return _matmul_schedule(spec, dots)
@@ -602,7 +603,7 @@ def compute_dtype(dtype: str) -> str:
 
 def literal(value, dtype: str) -> str:
     if dtype == "bool":
-        return "1" if value else "0"
+        return "True" if value else "False"  # tl.int1: a condition, not an int32
     if not ops.is_float(dtype):
         return str(int(value))
     v = float(value)
@@ -684,7 +685,10 @@ def fallback_candidates(sched: Schedule) -> list[dict]:
 
 def generate(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> tuple[str, Schedule, dict, list]:
     """Source of one kernel: (text, schedule, config, parameter buffers)."""
+    from .attention import spelled_out
     sched = schedule_of(spec)
+    if sched.kind != "attention":
+        spec = spelled_out(spec)
     if cfg is None or not fits(sched, cfg):
         cfg = default_config(sched)
     if sched.kind == "attention":

@@ -31,10 +31,41 @@ def decomposition_table() -> dict:
         aten.hardtanh, aten.hardsigmoid, aten.hardswish, aten.mish, aten.softplus,
         aten.leaky_relu, aten.elu, aten.rms_norm, aten.tril, aten.triu,
     ]))
-    # Attention stays one op (eager for now, see the attention issue): its decomposition
-    # gives outputs other strides than the fused op, and graphs traced around the fused op
-    # view them with those strides.
+    # The fused attention ops a backend picks (flash, memory-efficient, cuDNN) stay as they
+    # are: graphs traced around them (AOTAutograd's) view their outputs with their strides
+    # and save their log-sum-exp for the backward. The function users call is traced
+    # plainly instead (``PlainAttention``), so the attention rules meet it like any other
+    # spelling.
     return {op: fn for op, fn in table.items() if "scaled_dot_product" not in str(op)}
+
+
+class PlainAttention(torch.overrides.TorchFunctionMode):
+    """While tracing: ``F.scaled_dot_product_attention`` as the primitives it stands for."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and not kwargs.get("dropout_p"):
+            return _sdpa_math(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` in primitives (as torch's math backend has it);
+    with dropout it stays one op (random: it runs in eager)."""
+    if dropout_p:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    s = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    return torch.softmax(s, dim=-1) @ v
 
 
 @dataclass
@@ -69,7 +100,8 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
     out_spec_box = []
 
     def flat_fn(*args):
-        out = fn(*args)
+        with PlainAttention():
+            out = fn(*args)
         leaves, spec = pytree.tree_flatten(out)
         out_spec_box.append(spec)
         return leaves

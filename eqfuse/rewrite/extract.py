@@ -199,8 +199,15 @@ class Extractor:
 
     def _inline_choices(self) -> dict[str, ENode]:
         """Per class, its cheapest inline form: cost is work (op cost x elements) summed
-        over the tree, so that among equal forms the one computing on fewer elements wins."""
+        over the tree, so that among equal forms the one computing on fewer elements wins.
+
+        A product whose operand holds a reduction cannot be one kernel with it (the
+        operand's rows are needed whole before the product starts): such a form pays for
+        the kernel it forces, so that a form without the split (attention's streamed
+        softmax) wins even where it computes on more elements."""
+        split = self.device.launch_us * self.device.ops_per_us
         cost = {c: math.inf for c in self.g.classes if self.g.is_value(c)}
+        reduces: dict[str, bool] = {}  # whether the chosen form holds a reduction
         best: dict[str, ENode] = {}
         changed = True
         while changed:
@@ -209,10 +216,14 @@ class Extractor:
                 for n in self.g.classes[c]:
                     if self.is_self_load(n):
                         continue
+                    kids = self.value_children(n)
                     size, reuse = self._work(c, n)
-                    total = node_cost(n) * size + sum(cost[k] * r for k, r in zip(self.value_children(n), reuse))
+                    total = node_cost(n) * size + sum(cost[k] * r for k, r in zip(kids, reuse))
+                    if n.op in ("Dot", "ExpDot") and any(reduces.get(k) for k in kids):
+                        total += split
                     if total < cost[c] * (1 - 1e-9):
                         cost[c], best[c] = total, n
+                        reduces[c] = n.op == "Reduce" or any(reduces.get(k) for k in kids)
                         changed = True
         return best
 

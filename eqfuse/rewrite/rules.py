@@ -188,10 +188,11 @@ class TorchBuilder:
 class EgglogBuilder:
     """Builds a rule's sides as egglog patterns; constants match any dtype."""
 
-    def __init__(self):
+    def __init__(self, bare_broadcasts: bool = False):
         from egglog import i64, var
         self._var, self._i64 = var, i64
         self._n = 0
+        self.bare_broadcasts = bare_broadcasts  # softmax rules: match rows of length 1
 
     def unary(self, op, x):
         from ..schema.terms import Unary
@@ -229,6 +230,8 @@ class EgglogBuilder:
         from egglog import Vec
 
         from ..schema.terms import Broadcast
+        if self.bare_broadcasts:
+            return x
         return Broadcast(x, self._fresh("shape", Vec[self._i64]))
 
     def bcast_out(self, x):
@@ -269,8 +272,10 @@ def _softmax_rules() -> list:
     from ..schema.terms import Value, vdtype, vshape
 
     rules = []
-    for r in SOFTMAX:
-        k = EgglogBuilder()
+    # Each rule twice: with its broadcasts, and for rows of length 1 without them (the
+    # translator broadcasts only what changes shape).
+    for r, bare in [(r, bare) for r in SOFTMAX for bare in (False, True)]:
+        k = EgglogBuilder(bare_broadcasts=bare)
         s, v, row, root = var("s", Value), var("v", Value), var("r", Value), var("root", Value)
         lhs, rhs = r.pattern(k, s, v, row)
         conds = [eq(root).to(lhs)]
@@ -281,7 +286,7 @@ def _softmax_rules() -> list:
                       eq(vshape(root)).to(var("out_shape", Vec[i64]))]
         if getattr(k, "uses_wide", False):  # the float the weights were computed in
             conds.append(eq(vdtype(s)).to(var("wide", i64)))
-        rules.append(rule(*conds, name=r.name).then(union(root).with_(rhs)))
+        rules.append(rule(*conds, name=r.name + ("/unit" if bare else "")).then(union(root).with_(rhs)))
     return rules
 
 
