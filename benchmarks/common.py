@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: torch.compile with its compile time, and the JSON
-results file with the environment it was measured in."""
+"""What the benchmark scripts share: interleaved timing, torch.compile with its compile
+time, rank correlation, and the JSON results file with the environment it was measured in."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 
 import torch
 import triton
+import triton.testing
 
 import eqfuse
 
@@ -33,3 +34,34 @@ def save_results(path: str | None, rows: list, **extra) -> None:
               "python": platform.python_version(), **extra, "results": rows}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+ROUNDS = 5
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3  # us
+
+
+def bench_interleaved(fns: dict) -> dict:
+    """name -> median over ROUNDS rounds, each round timing every contender once."""
+    times: dict = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
+def spearman(xs, ys) -> float | None:
+    if len(xs) < 3:
+        return None
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for rank, i in enumerate(order):
+            r[i] = float(rank)
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    d2 = sum((a - b) ** 2 for a, b in zip(rx, ry))
+    return 1 - 6 * d2 / (n * (n * n - 1))

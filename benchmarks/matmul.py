@@ -19,9 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
-from common import inductor_compiled, save_results
+from common import bench_interleaved, inductor_compiled, save_results, spearman
 
 import eqfuse
 from eqfuse.codegen import tiles
@@ -69,37 +67,6 @@ def workloads(quick: bool):
     out.append(("int4-dequantised matmul 4096^3 fp16", int4.fn, [lambda x=x: x for x in packed], 2 * m * n * k,
                 None, False))
     return out
-
-
-ROUNDS = 5
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3  # us
-
-
-def bench_interleaved(fns: dict) -> dict:
-    """name -> median over ROUNDS rounds, each round timing every contender once."""
-    times: dict = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            times[name].append(bench(fn))
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-
-
-def spearman(xs, ys) -> float | None:
-    if len(xs) < 3:
-        return None
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        for rank, i in enumerate(order):
-            r[i] = float(rank)
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    d2 = sum((a - b) ** 2 for a, b in zip(rx, ry))
-    return 1 - 6 * d2 / (n * (n * n - 1))
 
 
 def tile_model_check(start: int) -> list[dict]:
