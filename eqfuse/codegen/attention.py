@@ -31,7 +31,7 @@ from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
 from .indexing import Env, Idx, env_of, reshape_env
-from .kernel import KernelWriter, Val
+from .kernel import KernelWriter, Val, literal
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), the model's order: the shapes FlashAttention's
 # Triton kernels run well with on Hopper and Ampere.
@@ -49,6 +49,7 @@ WIDE_HEAD_FIRST = (128, 64, 8, 3)  # over 64 wide, 4 warps run out of registers
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 BAND_ANALYSIS_MAX = 1 << 28  # score elements (rows x columns) the mask analysis looks at
 CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+LOG2E = 1 / math.log(2)
 
 
 def _pow2(n: int) -> int:
@@ -279,6 +280,7 @@ class AttentionWriter(KernelWriter):
         self.loop_axes = frozenset("nj")
         self.flows = streams(spec)
         self.scores = self.flows[0].args[0]
+        self.in_scores = {id(x) for x in self.scores.walk()}
         self.results: dict = {}  # node id -> Val after the loop
 
     # environments: b batch, m rows, n score columns, j value rows (the same keys as a
@@ -330,6 +332,16 @@ class AttentionWriter(KernelWriter):
         self._at_rows(env, self.row_env(), "a row max")
         return self.results["max"]
 
+    def _emit_binary(self, node, env):
+        """In the scores, a division by a constant is a multiplication by its reciprocal
+        (within an ulp of float32; IEEE division costs as much as the exponential)."""
+        divisor = node.args[1]
+        if node.attrs[0] == "div" and id(node) in self.in_scores and divisor.op == "const" \
+                and float(divisor.attrs[0]) != 0 and math.isfinite(1.0 / float(divisor.attrs[0])):
+            a = self.emit(node.args[0], env)
+            return self.assign(f"({a.expr} * {literal(1.0 / float(divisor.attrs[0]), 'float32')})", a.axes)
+        return super()._emit_binary(node, env)
+
     def _emit_dot(self, node, env):
         self._at_rows(env, self.env("mn", (self.s.m, self.s.n)), "the scores' product")
         q = self.dot_operand(node.args[0], self.env("me", (self.s.m, self.s.k)), ("m", "e"),
@@ -358,13 +370,14 @@ class AttentionWriter(KernelWriter):
         if "n" in self.uneven:  # keys past the end count for nothing
             score = f'tl.where(nmask, {score}, -float("inf"))'
         body = self.loop
-        body += [f"s_tile = ({score}).to(tl.float32)",
+        # Scores in log2 units, so that each exponential is one exp2.
+        body += [f"s_tile = ({score}).to(tl.float32) * {LOG2E!r}",
                  "m_new = tl.maximum(m_run, tl.max(s_tile, 1)[:, None])",
                  # A row that has seen only -inf keeps a finite reference (0): no NaN
                  # from -inf - -inf, and its sums stay 0 until a score arrives.
                  'm_ref = tl.where(m_new == -float("inf"), 0.0, m_new)',
-                 "alpha = tl.exp(m_run - m_ref)",
-                 "p = tl.exp(s_tile - m_ref)"]
+                 "alpha = tl.exp2(m_run - m_ref)",
+                 "p = tl.exp2(s_tile - m_ref)"]
         for i, _ in enumerate(sums):
             body.append(f"l{i} = l{i} * alpha + tl.sum(p, 1)[:, None]")
         want = ops.TRITON_DTYPES[s.dot_dtype]
@@ -379,7 +392,7 @@ class AttentionWriter(KernelWriter):
             self.results[id(f)] = Val(f'tl.where({empty}, float("nan"), l{i})', frozenset("m"))
         for i, f in enumerate(prods):
             self.results[id(f)] = Val(f'tl.where({empty}, float("nan"), acc{i})', frozenset("md"))
-        self.results["max"] = Val("m_run", frozenset("m"))
+        self.results["max"] = Val(f"(m_run * {math.log(2)!r})", frozenset("m"))
 
     def close_loop(self):
         body = self.loop
