@@ -44,6 +44,11 @@ TILES = [
     (64, 128, 4, 3),
     (64, 32, 4, 2),
     (128, 128, 8, 2),
+    (64, 64, 4, 4),
+    (64, 128, 8, 3),
+    (128, 64, 4, 2),
+    (128, 32, 8, 3),
+    (64, 64, 8, 3),
 ]
 WIDE_HEAD_FIRST = (128, 64, 8, 3)  # over 64 wide, 4 warps run out of registers
 MIN_BLOCK = 16  # tl.dot's smallest tile side
