@@ -66,12 +66,13 @@ def cmd_demo(args) -> int:
     import eqfuse
 
     from .examples import ALL_EXAMPLES as EXAMPLES
-    from .examples import MATMUL_EXAMPLES, contraction_tolerance, tolerance
+    from .examples import ATTENTION_EXAMPLES, MATMUL_EXAMPLES, contraction_tolerance, tolerance
+    contractions = {**MATMUL_EXAMPLES, **ATTENTION_EXAMPLES}
     device = _device()
     dtype = getattr(torch, DTYPES[args.dtype])
     print(f"eqfuse {eqfuse.__version__} demo on {device}"
           + (" (Triton interpreter)" if device == "cpu" else f" ({torch.cuda.get_device_name()})"))
-    header = f"{'example':20s} {'shape':>13s} {'kernels':>7s} {'fallbacks':>9s} {'max err':>9s} {'compile s':>9s}"
+    header = f"{'example':24s} {'shape':>13s} {'kernels':>7s} {'fallbacks':>9s} {'max err':>9s} {'compile s':>9s}"
     if device == "cuda":
         header += f" {'eager us':>9s} {'eqfuse us':>9s}"
     print(header)
@@ -89,11 +90,11 @@ def cmd_demo(args) -> int:
         err = max((g.float() - r.float()).abs().nan_to_num().max().item() for g, r in zip(got, ref))
         ok = True
         for g, r in zip(got, ref):
-            rtol, atol = contraction_tolerance(dtype, r) if ex.name in MATMUL_EXAMPLES else tolerance(dtype)
+            rtol, atol = contraction_tolerance(dtype, r) if ex.name in contractions else tolerance(dtype)
             ok &= torch.allclose(g.float(), r.float(), rtol=rtol, atol=atol, equal_nan=True)
         failures += not ok
         shape = "x".join(map(str, inputs[0].shape))
-        line = (f"{ex.name:20s} {shape:>13s} {len(compiled.kernels):>7d} {len(compiled.fallbacks):>9d} "
+        line = (f"{ex.name:24s} {shape:>13s} {len(compiled.kernels):>7d} {len(compiled.fallbacks):>9d} "
                 f"{err:>9.2e} {seconds:>9.2f}")
         if device == "cuda":
             import triton.testing
