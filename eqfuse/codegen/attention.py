@@ -31,7 +31,8 @@ from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
 from .indexing import Env, Idx, env_of, reshape_env
-from .kernel import KernelWriter, Val, literal
+from .kernel import KernelWriter, Val, literal, next_pow2
+from .tiles import MIN_BLOCK, well_formed
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the shapes FlashAttention's Triton kernels
 # run well with on Hopper and Ampere. The first is the untimed choice: on an H100 it was
@@ -48,14 +49,9 @@ TILES = [
     (64, 32, 4, 2),
     (128, 32, 8, 3),
 ]
-MIN_BLOCK = 16  # tl.dot's smallest tile side
 BAND_ANALYSIS_MAX = 1 << 28  # score elements (rows x columns) the mask analysis looks at
 CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 LOG2E = 1 / math.log(2)
-
-
-def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 def streams(spec: KernelSpec) -> list[PNode]:
@@ -234,7 +230,8 @@ def candidates(sched) -> list[dict]:
     """Tile configurations in the model's order, clamped to the sizes."""
     out = []
     for bm, bn, warps, stages in TILES:
-        cfg = {"BLOCK_M": max(MIN_BLOCK, min(bm, _pow2(sched.m))), "BLOCK_N": max(MIN_BLOCK, min(bn, _pow2(sched.n))),
+        cfg = {"BLOCK_M": max(MIN_BLOCK, min(bm, next_pow2(sched.m))),
+               "BLOCK_N": max(MIN_BLOCK, min(bn, next_pow2(sched.n))),
                "num_warps": warps, "num_stages": stages}
         if cfg not in out:
             out.append(cfg)
@@ -242,29 +239,8 @@ def candidates(sched) -> list[dict]:
 
 
 def runnable(cfg: dict) -> bool:
-    if set(cfg) != CONFIG_KEYS or not all(isinstance(v, int) for v in cfg.values()):
-        return False
-    return all(cfg[k] >= MIN_BLOCK and cfg[k] & (cfg[k] - 1) == 0 for k in ("BLOCK_M", "BLOCK_N")) \
-        and cfg["num_warps"] in (1, 2, 4, 8, 16) and cfg["num_stages"] >= 1
-
-
-def visited_fraction(sched, block_m: int = 128, block_n: int = 64) -> float:
-    """The share of score tiles the band lets the loop visit."""
-    if sched.band is None:
-        return 1.0
-    lo, hi = sched.band
-    tiles_n = -(-sched.n // block_n)
-    seen = 0
-    for pid in range(-(-sched.m // block_m)):
-        start = max(0, pid * block_m + lo) // block_n
-        end = -(-min(sched.n, (pid + 1) * block_m + hi) // block_n)
-        seen += max(0, end - start)
-    return seen / max(1, tiles_n * -(-sched.m // block_m))
-
-
-def modelled_tensor_us(sched, device) -> float:
-    flops = 2 * math.prod(sched.batch) * sched.m * sched.n * (sched.k + sched.d * max(1, sched.dots))
-    return flops * visited_fraction(sched) / device.tensor_flops_per_us(sched.dot_dtype)
+    """Whether a configuration (from a cache, or a user) is one an attention kernel can run with."""
+    return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N"))
 
 
 # --- the writer ---------------------------------------------------------------------------------
@@ -422,7 +398,7 @@ class AttentionWriter(KernelWriter):
             out.append(f"bindex = tl.program_id(1){cast}")
         for axis in "mde":
             if axis in self.uneven:
-                out.append(f"{axis}mask = {axis}index < {'MDE'['mde'.index(axis)]}")
+                out.append(f"{axis}mask = {axis}index < {axis.upper()}")
         if "f" in self.uneven:
             out.append("fmask = findex < E")
         lo, hi = "0", "N"

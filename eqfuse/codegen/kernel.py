@@ -1,6 +1,6 @@
 """One kernel of the plan -> one ``@triton.jit`` function.
 
-Three schedules:
+Four schedules (the fourth, attention, is written by codegen/attention.py):
 
 * pointwise: a flat index over the output, ``XBLOCK`` elements per program;
 * row reduction: ``BLOCK_R`` rows per program and the reduced axis of length ``C``
@@ -12,7 +12,9 @@ Three schedules:
   neighbouring programs share operand tiles in L2), one loop over K in ``BLOCK_K`` steps
   that feeds every product of the kernel (``tl.dot``, float32 accumulators). Operands are
   computed inside the loop as their tiles are loaded (prologue); the rest of the kernel
-  is computed on the accumulators (epilogue). Batch dims are the grid's second axis.
+  is computed on the accumulators (epilogue). Batch dims are the grid's second axis;
+* attention: softmax products (``ExpDot``/``ExpSum``) streamed over the keys with a
+  running max, one program per block of query rows.
 
 Float values narrower than float32 are computed in float32 and rounded where the graph
 casts them and when they are stored.
@@ -52,7 +54,7 @@ def next_pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class Schedule:
-    kind: str  # pointwise | reduction | matmul
+    kind: str  # pointwise | reduction | matmul | attention
     numel: int = 0  # pointwise
     rows: int = 0  # reduction
     cols: int = 0
@@ -75,8 +77,8 @@ class Schedule:
         if self.kind == "reduction":
             return {"R": self.rows, "C": self.cols}
         if self.kind == "attention":
-            head = {"E": self.k, "BLOCK_E": max(16, next_pow2(self.k))} if self.k else {}
-            return {"M": self.m, "N": self.n, "D": self.d, "BLOCK_D": max(16, next_pow2(self.d)), **head}
+            head = {"E": self.k, "BLOCK_E": max(tiles.MIN_BLOCK, next_pow2(self.k))} if self.k else {}
+            return {"M": self.m, "N": self.n, "D": self.d, "BLOCK_D": max(tiles.MIN_BLOCK, next_pow2(self.d)), **head}
         return {"M": self.m, "N": self.n, "K": self.k}
 
     def describe(self) -> str:
@@ -102,8 +104,8 @@ class Schedule:
             return (-(-self.rows // cfg["BLOCK_R"]),)
         if self.kind == "attention":
             return (-(-self.m // cfg["BLOCK_M"]), math.prod(self.batch))
-        tiles = -(-self.m // cfg["BLOCK_M"]) * -(-self.n // cfg["BLOCK_N"])
-        return (tiles, math.prod(self.batch))
+        programs = -(-self.m // cfg["BLOCK_M"]) * -(-self.n // cfg["BLOCK_N"])
+        return (programs, math.prod(self.batch))
 
 
 MAX_GRID_Y = 65535

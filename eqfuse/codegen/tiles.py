@@ -66,12 +66,18 @@ def candidates(sched) -> list[dict]:
 CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
 
 
+def well_formed(cfg: dict, keys: set, blocks: tuple) -> bool:
+    """A tl.dot kernel's configuration: exactly ``keys``, integers, the ``blocks`` powers of
+    two no smaller than tl.dot takes, a warp count Triton launches, at least one stage."""
+    if set(cfg) != keys or not all(isinstance(v, int) for v in cfg.values()):
+        return False
+    pow2 = all(cfg[k] >= MIN_BLOCK and cfg[k] & (cfg[k] - 1) == 0 for k in blocks)
+    return pow2 and cfg["num_warps"] in (1, 2, 4, 8, 16) and cfg["num_stages"] >= 1
+
+
 def runnable(cfg: dict) -> bool:
     """Whether a configuration (from a cache, or a user) is one a matmul kernel can run with."""
-    if set(cfg) != CONFIG_KEYS or not all(isinstance(v, int) for v in cfg.values()):
-        return False
-    pow2 = all(cfg[k] >= MIN_BLOCK and cfg[k] & (cfg[k] - 1) == 0 for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    return pow2 and cfg["GROUP_M"] >= 1 and cfg["num_warps"] in (1, 2, 4, 8, 16) and cfg["num_stages"] >= 1
+    return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N", "BLOCK_K")) and cfg["GROUP_M"] >= 1
 
 
 def modelled_time_us(sched, cfg: dict, device: Device = DEFAULT_DEVICE) -> float:
