@@ -35,10 +35,9 @@ def _load_target(target: str):
     raise SystemExit(f"eqfuse: unknown example {target!r}; examples: {', '.join(EXAMPLES)}")
 
 
-def cmd_show(args) -> int:
+def _target_and_inputs(args):
+    """(function, example inputs) for the ``target``, ``--shape`` and ``--dtype`` arguments."""
     import torch
-
-    import eqfuse
 
     from .examples import Example
     target = _load_target(args.target)
@@ -47,12 +46,16 @@ def cmd_show(args) -> int:
         shape = args.shape or target.demo_shape
         if len(shape) != len(target.demo_shape):
             raise SystemExit(f"eqfuse: {target.name} takes a shape of {len(target.demo_shape)} sizes")
-        fn, inputs = target.fn, target.make_inputs(*shape, dtype, _device())
-    else:
-        rows, cols = args.shape or (64, 1000)
-        fn = target
-        nargs = fn.__code__.co_argcount
-        inputs = tuple(torch.randn(rows, cols, dtype=dtype, device=_device()) for _ in range(nargs))
+        return target.fn, target.make_inputs(*shape, dtype, _device())
+    rows, cols = args.shape or (64, 1000)
+    nargs = target.__code__.co_argcount
+    return target, tuple(torch.randn(rows, cols, dtype=dtype, device=_device()) for _ in range(nargs))
+
+
+def cmd_show(args) -> int:
+    import eqfuse
+
+    fn, inputs = _target_and_inputs(args)
     compiled = eqfuse.compile(fn, inputs)
     print(compiled.explain())
     print()
@@ -106,6 +109,41 @@ def cmd_demo(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_inspect(args) -> int:
+    import eqfuse
+
+    fn, inputs = _target_and_inputs(args)
+    compiled = eqfuse.compile(fn, inputs)
+    out = args.out or f"eqfuse-inspect/{args.target.rsplit(':', 1)[-1]}"
+    print(compiled.inspect(out, arch=args.arch))
+    return 0
+
+
+def cmd_export(args) -> int:
+    import eqfuse
+    from eqfuse.export import export_graph
+
+    fn, inputs = _target_and_inputs(args)
+    compiled = eqfuse.compile(fn, inputs)
+    out = args.out or f"eqfuse-export/{args.target.rsplit(':', 1)[-1]}"
+    try:
+        manifest = export_graph(compiled, out, arch=args.arch)
+    except eqfuse.EqfuseError as e:
+        raise SystemExit(f"eqfuse export: {e}") from None
+    shapes = ", ".join("x".join(map(str, x.shape)) + f" {str(x.dtype).removeprefix('torch.')}" for x in inputs)
+    print(f"exported {len(compiled.kernels)} kernel(s) of {args.target} for {args.arch}, inputs {shapes}: "
+          f"{manifest}")
+    print("run it without Triton: eqfuse.runtime.load_exported(" + repr(str(manifest.parent)) + ")(*inputs)")
+    return 0
+
+
+def _add_target_arguments(parser, default_dtype="float32") -> None:
+    parser.add_argument("target", nargs="?", default="rmsnorm", help="an example name or path/to/file.py:function")
+    parser.add_argument("--shape", type=int, nargs="+", default=None,
+                        help="ROWS COLS (M N K for a matmul example); default: the example's own")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=default_dtype)
+
+
 def cmd_rules(args) -> int:
     from .rewrite.rules import catalogue
     rows = catalogue()
@@ -129,6 +167,19 @@ def main(argv=None) -> int:
     d.set_defaults(fn=cmd_demo)
     r = sub.add_parser("rules", help="the rule catalogue")
     r.set_defaults(fn=cmd_rules)
+    i = sub.add_parser("inspect", help="each kernel's Triton source and compiler stages (TTIR ... PTX, SASS) "
+                                       "written to a directory, with registers, spills, shared memory")
+    _add_target_arguments(i)
+    i.add_argument("--out", default=None, help="directory (default: eqfuse-inspect/TARGET)")
+    i.add_argument("--arch", default=None, help="compile for this GPU, e.g. sm_90 (default: this GPU; "
+                                                 "sm_90 without one)")
+    i.set_defaults(fn=cmd_inspect)
+    x = sub.add_parser("export", help="kernels as cubin + PTX and a JSON manifest, to run without Triton "
+                                      "(eqfuse.runtime.load_exported)")
+    _add_target_arguments(x)
+    x.add_argument("--arch", default="sm_90", help="GPU architecture to compile for (default sm_90)")
+    x.add_argument("--out", default=None, help="directory (default: eqfuse-export/TARGET)")
+    x.set_defaults(fn=cmd_export)
     args = p.parse_args(argv)
     return args.fn(args)
 

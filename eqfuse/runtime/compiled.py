@@ -86,6 +86,13 @@ class CompiledGraph:
     def explain(self) -> str:
         return self._main.explain()
 
+    def inspect(self, directory=None, arch=None):
+        """Every kernel's Triton source and compiler stages (TTIR ... PTX, SASS) written to
+        ``directory``, with a summary (registers, spills, shared memory, source lines); see
+        eqfuse/stages.py. ``arch`` (e.g. "sm_90"): compile for that GPU instead of this one."""
+        from ..stages import inspect_graph
+        return inspect_graph(self, directory, arch)
+
     def __call__(self, *inputs):
         sig = _signature(inputs)
         variant = self._variants.get(sig)
