@@ -61,6 +61,84 @@ def test_causal_tiles_past_the_diagonal_are_skipped():
     assert "lo = 0" in k.source
 
 
+def key_loops(source: str) -> list[str]:
+    """The bodies of the kernel's loops over key tiles, each with its ``for`` line."""
+    return ["for n0 in range(" + part.split("\n    empty =")[0] for part in source.split("for n0 in range(")[1:]]
+
+
+MASK_CODE = ("mindex)", "nmask", "jmask", "-float(\"inf\"))")  # index comparison, bounds, select
+
+
+@pytest.mark.parametrize("name", ["causal_attention", "causal_attention_where", "causal_attention_bias",
+                                  "gqa_attention", "sdpa_causal"])
+def test_causal_mask_only_on_the_tiles_the_diagonal_crosses(name):
+    """Below the diagonal every key is visible to every row of the block: that loop has no
+    mask code at all (nor bounds masks: it stops at a whole tile); the mask is applied on
+    the tiles from ``mid`` to the diagonal."""
+    ex = ATTENTION_EXAMPLES[name]
+    torch.manual_seed(0)
+    c = one_streamed_kernel(ex.fn, ex.make_inputs(1, 2, 100, 16, torch.float16, DEVICE))
+    (k,) = c.kernels
+    assert "mid = tl.minimum(hi, pid_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N" in k.source
+    inner, edge = key_loops(k.source)
+    assert inner.startswith("for n0 in range(lo, mid, BLOCK_N):") and edge.startswith("for n0 in range(mid, hi, BLOCK_N):")
+    assert not [code for code in MASK_CODE if code in inner], inner
+    assert "mindex" in edge and "nmask" in edge, edge
+
+
+def test_scale_and_log2e_are_one_multiplication():
+    ex = ATTENTION_EXAMPLES["attention"]
+    c = one_streamed_kernel(ex.fn, ex.make_inputs(1, 2, 64, 16, torch.float16, DEVICE))
+    (loop,) = key_loops(c.kernels[0].source)
+    scaled = [line for line in loop.splitlines() if "qk" in line and " * " in line]
+    (s_tile,) = [line for line in loop.splitlines() if "s_tile = " in line]
+    assert len(scaled) == 1 and f"* {0.25 / math.log(2)!r})" in scaled[0] and " * " not in s_tile, loop
+
+
+def test_padding_and_windows_keep_one_masked_loop():
+    """A mask read from memory, or a band with a lower edge, is applied on every tile."""
+    ex = ATTENTION_EXAMPLES["padded_attention"]
+    c = one_streamed_kernel(ex.fn, ex.make_inputs(1, 2, 100, 16, torch.float16, DEVICE))
+    (loop,) = key_loops(c.kernels[0].source)
+    assert "in3" in loop
+
+
+def banded(offset):
+    """Column j is visible to row i iff j <= i + offset(m, n): causal aligned top-left (0),
+    bottom-right (n - m), or strictly below the diagonal (-2: the first rows see nothing;
+    with tiles of 16 the edge is then one column short of a tile boundary)."""
+    def f(q, k, v):
+        m, n = q.shape[-2], k.shape[-2]
+        i = torch.arange(m, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(j > i + offset(m, n), float("-inf"))
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+    return f
+
+
+@pytest.mark.parametrize("offset", [lambda m, n: 0, lambda m, n: n - m, lambda m, n: -2],
+                         ids=["top-left", "bottom-right", "below"])
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 17), (64, 64), (65, 65), (100, 100), (130, 130), (40, 100), (100, 40)])
+def test_split_loop_at_every_position_of_the_diagonal(m, n, offset):
+    """Small tiles put the diagonal at tile edges and inside tiles, with ragged last tiles,
+    square blocks and not; each configuration computes what eager does."""
+    from eqfuse.codegen.module import generate_module
+    from eqfuse.runtime.cache import cache_key, load_module
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, m, 16, dtype=torch.float16, device=DEVICE)
+    k, v = (torch.randn(1, 2, n, 16, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    fn = banded(offset)
+    compiled = one_streamed_kernel(fn, (q, k, v))
+    (kern,) = compiled.kernels
+    assert len(key_loops(kern.source)) == (2 if kern.schedule.band else 1)
+    for bm, bn in [(16, 16), (32, 16), (16, 32)]:
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 2}
+        source, _ = generate_module(compiled.plan, "tiles", "test", {kern.name: cfg})
+        module = load_module(cache_key(source), source, interpret=DEVICE == "cpu")
+        (out,) = module.call(q.device, [], q, k, v)
+        assert_matches(out, fn(q, k, v), contraction=True)
+
+
 def test_sliding_window_skips_tiles_on_both_sides():
     def window(q, k, v):
         n = q.shape[-2]
@@ -75,6 +153,7 @@ def test_sliding_window_skips_tiles_on_both_sides():
     (kern,) = c.kernels
     assert kern.schedule.band == (-7, 0)
     assert "lo = tl.maximum(0, pid_m * BLOCK_M + -7) // BLOCK_N * BLOCK_N" in kern.source
+    assert len(key_loops(kern.source)) == 1  # the mask's two edges: one masked loop
 
 
 def test_a_row_with_every_key_masked_is_nan_as_in_eager():

@@ -17,7 +17,10 @@ store of the log-sum-exp) runs on the program's rows after the loop.
 Tiles a mask removes entirely are never visited: when the scores are certainly ``-inf``
 wherever a condition on the row and column indices says so (a causal ``tril``, a
 sliding window), the band of columns a row can see is found at compile time and each
-program's loop runs over its rows' band only.
+program's loop runs over its rows' band only. Within the band, such a mask is the same
+on every tile a program's rows see whole (below a causal diagonal, it keeps everything):
+the loop is split in two, the tiles every row sees whole first, with no mask code at all,
+then the few tiles the band's edge crosses, with the mask (see ``unmasked_scores``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
-from .indexing import Env, Idx, env_of, reshape_env
+from .indexing import Env, Idx, env_key, env_of, reshape_env
 from .kernel import KernelWriter, Val, literal, next_pow2
 from .tiles import MIN_BLOCK, well_formed
 
@@ -191,6 +194,111 @@ def _certainly_neg_inf(node: PNode):
     return None
 
 
+def unmasked_scores(s: PNode, band) -> PNode | None:
+    """The scores as they are where every row sees its keys whole: ``s`` with each
+    subtree made of indices and constants (a causal mask, a -inf bias) that takes a single
+    value on the band's diagonals ``j - i <= band[1]`` replaced by that value, and the
+    selects and additions it decides folded away. None when the band has a lower edge (a
+    sliding window keeps one masked loop), when such a subtree varies within the band (a
+    mask that is not a band, a position bias), or when there is nothing to fold."""
+    *_, m, n = s.shape
+    if band is None or band[0] > -(m - 1):
+        return None
+    rows, cols = torch.arange(m)[:, None], torch.arange(n)[None, :]
+    inside = cols - rows <= band[1]
+    if not bool(inside.any()):
+        return None
+    folded: dict[int, PNode] = {}
+
+    def fold(node: PNode) -> PNode:
+        if id(node) in folded:
+            return folded[id(node)]
+        out = node
+        # Only through elementwise steps: below them the tile's indices are not (i, j).
+        if node.op in ("broadcast", "unary", "binary", "where", "cast"):
+            static = None if any(x.op == "load" for x in node.walk()) else _static(node)
+            if static is None:
+                out = _simplified(node, tuple(fold(a) for a in node.args))
+            elif static.numel() > 1:
+                value = _single_value(static, inside)
+                if value is None:
+                    raise _Varies
+                out = PNode("const", (value,), (), node.shape, node.dtype)
+        folded[id(node)] = out
+        return out
+
+    try:
+        out = fold(s)
+    except _Varies:
+        return None
+    return None if out is s else out
+
+
+class _Varies(Exception):
+    """A static subtree of the scores takes more than one value inside the band."""
+
+
+def _single_value(static: torch.Tensor, inside: torch.Tensor) -> float | None:
+    """The one value ``static`` (broadcastable to [*batch, m, n]) takes where ``inside``;
+    None if it takes several, or differs between heads."""
+    while static.dim() > 2:
+        if static.shape[0] > 1 and not bool((static == static[:1]).all()):
+            return None
+        static = static[0]
+    picked = static.reshape((1,) * (2 - static.dim()) + tuple(static.shape)).expand(inside.shape)[inside]
+    first = picked[0]
+    return float(first) if bool((picked == first).all()) else None
+
+
+def _simplified(node: PNode, args: tuple) -> PNode:
+    """``node`` over ``args``, where a select on a constant condition is its branch and an
+    addition of a constant 0 is the other operand."""
+    if args == node.args:
+        return node
+    keep = None
+    if node.op == "where" and args[0].op == "const":
+        keep = args[1] if args[0].attrs[0] else args[2]
+    if node.op == "binary" and node.attrs[0] in ("add", "sub") and args[1].op == "const" \
+            and float(args[1].attrs[0]) == 0:
+        keep = args[0]
+    if node.op == "binary" and node.attrs[0] == "add" and args[0].op == "const" and float(args[0].attrs[0]) == 0:
+        keep = args[1]
+    if keep is not None and keep.shape == node.shape and keep.dtype == node.dtype:
+        return keep
+    return replace(node, args=args)
+
+
+def log2_scaled(s: PNode, factor: float = LOG2E) -> PNode:
+    """``s * factor`` with the factor folded into the constant scales, masks and biases it
+    passes through, so that scores scaled by ``1/sqrt(d)`` become log2 units with one
+    multiplication."""
+    op = s.op
+    if op == "const":
+        return PNode("const", (float(s.attrs[0]) * factor,), (), s.shape, s.dtype)
+    if op == "broadcast" or (op == "cast" and _cast_is_free(s)):
+        return replace(s, args=(log2_scaled(s.args[0], factor),))
+    if op == "where":
+        c, a, b = s.args
+        return replace(s, args=(c, log2_scaled(a, factor), log2_scaled(b, factor)))
+    if op == "binary" and s.attrs[0] in ("add", "sub"):
+        return replace(s, args=tuple(log2_scaled(a, factor) for a in s.args))
+    if op == "binary" and s.attrs[0] in ("mul", "div"):
+        a, c = s.args
+        if s.attrs[0] == "mul" and a.op == "const":
+            a, c = c, a
+        k = float(c.attrs[0]) if c.op == "const" else 0.0
+        if k != 0 and math.isfinite(k) and a.shape == s.shape and a.dtype == s.dtype:
+            return log2_scaled(a, factor * k if s.attrs[0] == "mul" else factor / k)
+    return PNode("binary", ("mul",), (s, PNode("const", (factor,), (), (), s.dtype)), s.shape, s.dtype)
+
+
+def _cast_is_free(node: PNode) -> bool:
+    """A cast the writer emits as nothing (to the same type, or from a narrow float to
+    float32, which it computes in already): a scale passes it unchanged."""
+    src, dst = node.args[0].dtype, node.dtype
+    return dst == src or (dst == "float32" and src in ops.NARROW_FLOATS)
+
+
 def _static(node: PNode):
     """The value of a subtree made of indices and constants only (no loads), small: a
     broadcast is left to torch's implicit broadcasting. None if it reads memory."""
@@ -254,7 +362,14 @@ class AttentionWriter(KernelWriter):
         self.loop_axes = frozenset("nj")
         self.flows = streams(spec)
         self.scores = self.flows[0].args[0]
-        self.in_scores = {id(x) for x in self.scores.walk()}
+        # The scores each loop computes, in log2 units: masked (all of the band), and
+        # unmasked (the tiles every row of a program sees whole) where the mask allows.
+        # The writer keeps them: its memos are keyed by node id.
+        self.masked = log2_scaled(self.scores)
+        inner = unmasked_scores(self.scores, sched.band)
+        self.unmasked = log2_scaled(inner) if inner is not None else None
+        trees = [self.masked] + ([self.unmasked] if self.unmasked is not None else [])
+        self.in_scores = {id(x) for t in trees for x in t.walk()}
         self.results: dict = {}  # node id -> Val after the loop
 
     # environments: b batch, m rows, n score columns, j value rows (the same keys as a
@@ -325,18 +440,38 @@ class AttentionWriter(KernelWriter):
         return self.assign(f"tl.dot({q}, {kt}{self.dot_precision()})", frozenset("mn"), "qk")
 
     def stream(self):
-        """The loop over the key axis, and the results it leaves."""
-        s = self.s
+        """The loops over the key axis, and the results they leave."""
         lines = self.lines
-        lines.append('m_run = tl.full([BLOCK_M, 1], -float("inf"), tl.float32)')
+        lines.append('m_run = tl.full([BLOCK_M], -float("inf"), tl.float32)')
         sums = [f for f in self.flows if f.op == "expsum"]
         prods = [f for f in self.flows if f.op == "expdot"]
         for i, _ in enumerate(sums):
-            lines.append(f"l{i} = tl.zeros([BLOCK_M, 1], dtype=tl.float32)")
+            lines.append(f"l{i} = tl.zeros([BLOCK_M], dtype=tl.float32)")
         for i, _ in enumerate(prods):
             lines.append(f"acc{i} = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)")
+        if self.unmasked is not None:
+            self.key_loop("lo", "mid", self.unmasked, sums, prods, "Keys every row of the block sees: no mask.")
+            self.key_loop("mid", "hi", self.masked, sums, prods, "Keys the mask's edge crosses.")
+        else:
+            self.key_loop("lo", "hi", self.masked, sums, prods)
+        # A row with no score above -inf: softmax is 0 / 0 there, as in eager.
+        lines.append('empty = (m_run == -float("inf"))[:, None]')
+        for i, f in enumerate(sums):
+            self.results[id(f)] = Val(f'tl.where(empty, float("nan"), l{i}[:, None])', frozenset("m"))
+        for i, f in enumerate(prods):
+            self.results[id(f)] = Val(f'tl.where(empty, float("nan"), acc{i})', frozenset("md"))
+        self.results["max"] = Val(f"(m_run[:, None] * {math.log(2)!r})", frozenset("m"))
+
+    def key_loop(self, start: str, stop: str, scores: PNode, sums, prods, note: str = ""):
+        """One loop over key tiles ``start..stop``, with ``scores`` (in log2 units), under
+        the comment ``note``. A loop that starts at 0 and ends at ``mid`` (a multiple of
+        BLOCK_N, at most N) has every tile inside the keys: no bounds mask either."""
+        s = self.s
         self.open_loop()
-        sv = self.emit(self.scores, self.env("mn", (s.m, s.n)))
+        ragged = dict(self.uneven)
+        if stop == "mid":
+            self.uneven = {a: name for a, name in ragged.items() if a not in "nj"}
+        sv = self.emit(scores, self.env("mn", (s.m, s.n)))
         score = sv.expr
         if not {"m", "n"} <= sv.axes:
             score = f"tl.broadcast_to({score}, [BLOCK_M, BLOCK_N])" if sv.axes else \
@@ -344,41 +479,44 @@ class AttentionWriter(KernelWriter):
         if "n" in self.uneven:  # keys past the end count for nothing
             score = f'tl.where(nmask, {score}, -float("inf"))'
         body = self.loop
-        # Scores in log2 units, so that each exponential is one exp2.
-        body += [f"s_tile = ({score}).to(tl.float32) * {LOG2E!r}",
-                 "m_new = tl.maximum(m_run, tl.max(s_tile, 1)[:, None])",
+        # Row statistics are [BLOCK_M]: the running max m_run, and the sums l.
+        body += [f"s_tile = ({score}).to(tl.float32)",
+                 "m_new = tl.maximum(m_run, tl.max(s_tile, 1))",
                  # A row that has seen only -inf keeps a finite reference (0): no NaN
                  # from -inf - -inf, and its sums stay 0 until a score arrives.
                  'm_ref = tl.where(m_new == -float("inf"), 0.0, m_new)',
                  "alpha = tl.exp2(m_run - m_ref)",
-                 "p = tl.exp2(s_tile - m_ref)"]
+                 "p = tl.exp2(s_tile - m_ref[:, None])"]
         for i, _ in enumerate(sums):
-            body.append(f"l{i} = l{i} * alpha + tl.sum(p, 1)[:, None]")
+            body.append(f"l{i} = l{i} * alpha + tl.sum(p, 1)")
         want = ops.TRITON_DTYPES[s.dot_dtype]
         for i, f in enumerate(prods):
             vt = self.dot_operand(f.args[1], self.env("jd", (s.n, s.d)), ("j", "d"), "[BLOCK_N, BLOCK_D]")
-            body.append(f"acc{i} = tl.dot(p.to({want}), {vt}, acc{i} * alpha{self.dot_precision()})")
+            body.append(f"acc{i} = tl.dot(p.to({want}), {vt}, acc{i} * alpha[:, None]{self.dot_precision()})")
         body.append("m_run = m_new")
-        self.close_loop()
-        # A row with no score above -inf: softmax is 0 / 0 there, as in eager.
-        empty = 'm_run == -float("inf")'
-        for i, f in enumerate(sums):
-            self.results[id(f)] = Val(f'tl.where({empty}, float("nan"), l{i})', frozenset("m"))
-        for i, f in enumerate(prods):
-            self.results[id(f)] = Val(f'tl.where({empty}, float("nan"), acc{i})', frozenset("md"))
-        self.results["max"] = Val(f"(m_run * {math.log(2)!r})", frozenset("m"))
-
-    def close_loop(self):
-        body = self.loop
         self.loop = None
         self.memo_loop = {}
-        head = ["for n0 in range(lo, hi, BLOCK_N):",
+        head = [f"# {note}"] if note else []
+        head += [f"for n0 in range({start}, {stop}, BLOCK_N):",
                 "    nindex = n0 + tl.arange(0, BLOCK_N)[None, :]",
                 "    jindex = n0 + tl.arange(0, BLOCK_N)[:, None]"]
         if "n" in self.uneven:
             head += ["    nmask = nindex < N", "    jmask = jindex < N"]
+        self.uneven = ragged
         self.lines.extend(head)
         self.lines.extend("    " + b for b in body)
+
+    def dot_operand(self, node, env, axes, block) -> str:
+        """As the base writer's, with a tile that does not move with the keys (the query
+        tile) kept for the kernel, not the loop: both key loops use the one load."""
+        key = ("operand", id(node), env_key(env))
+        if key in self.memo_outer:
+            return self.memo_outer[key].expr
+        expr = super().dot_operand(node, env, axes, block)
+        val = self.memo_loop[key]
+        if not self.in_loop(val.axes):
+            self.memo_outer[key] = val
+        return expr
 
     def head(self, cfg) -> list[str]:
         s = self.s
@@ -409,6 +547,13 @@ class AttentionWriter(KernelWriter):
             if b_hi < s.n - 1:
                 hi = f"tl.minimum(N, (pid_m + 1) * BLOCK_M + {b_hi})"
         out += [f"lo = {lo}", f"hi = {hi}"]
+        if self.unmasked is not None:
+            # Columns j < pid_m * BLOCK_M + b_hi + 1 are seen by every row of the program
+            # (j - i <= b_hi); in whole tiles, so that no tile there reaches past N.
+            edge = f"tl.minimum(hi, pid_m * BLOCK_M + {s.band[1] + 1})"
+            if s.band[1] + 1 < 0:
+                edge = f"tl.maximum(0, {edge})"
+            out.append(f"mid = {edge} // BLOCK_N * BLOCK_N")
         return out
 
     def write_body(self, cfg) -> list[str]:
