@@ -81,7 +81,8 @@ def test_causal_mask_only_on_the_tiles_the_diagonal_crosses(name):
     (k,) = c.kernels
     assert "mid = tl.minimum(hi, pid_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N" in k.source
     inner, edge = key_loops(k.source)
-    assert inner.startswith("for n0 in range(lo, mid, BLOCK_N):") and edge.startswith("for n0 in range(mid, hi, BLOCK_N):")
+    assert inner.startswith("for n0 in range(lo, mid, BLOCK_N):")
+    assert edge.startswith("for n0 in range(mid, hi, BLOCK_N):")
     assert not [code for code in MASK_CODE if code in inner], inner
     assert "mindex" in edge and "nmask" in edge, edge
 
