@@ -53,12 +53,17 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     """The dynamo backend. ``options`` are ``eqfuse.compile`` options."""
     from torch._dynamo.backends.common import aot_autograd
 
-    compiler = _compiler(dict(options or {}))
+    options = dict(options or {})
+    # Training graphs hand their activations on to the backward: CUDA graphs would only
+    # double their memory (a recording whose outputs are held is not replayed), so they
+    # are on for inference graphs unless asked for.
+    training = _compiler({"cuda_graphs": False, **options})
+    compiler = _compiler(options)
     # No decompositions at this level: eqfuse decomposes when it captures each graph, where
     # validation checks the result against the graph as AOTAutograd gave it. (With torch
     # 2.13's core decompositions here, AOTAutograd's own backward of a GPT-2 block on the
     # CPU was wrong, compilers aside.)
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    backend = aot_autograd(fw_compiler=training, bw_compiler=training, inference_compiler=compiler)
     return backend(gm, example_inputs)
 
 

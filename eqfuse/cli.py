@@ -144,6 +144,32 @@ def _add_target_arguments(parser, default_dtype="float32") -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=default_dtype)
 
 
+def cmd_calibrate(args) -> int:
+    from .errors import EqfuseError
+    from .rewrite.cost import calibrations_path
+    from .runtime.calibrate import calibrate
+    try:
+        calibrate()
+    except EqfuseError as e:
+        raise SystemExit(f"eqfuse calibrate: {e}") from None
+    print(f"stored in {calibrations_path()}; the cost model uses it on this device from now on")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run
+    try:
+        result = run(tiny=args.tiny, out_dir=args.out, only=args.only, contenders=args.contenders,
+                     chart=not args.no_chart)
+    except ValueError as e:
+        raise SystemExit(f"eqfuse bench: {e}") from None
+    mismatched = [r["workload"] for r in result["results"]
+                  if not all(c.get("matches_eager", True) for c in r["contenders"].values())]
+    if mismatched:
+        print(f"outputs differ from eager on: {', '.join(mismatched)}")
+    return 1 if mismatched else 0
+
+
 def cmd_rules(args) -> int:
     from .rewrite.rules import catalogue
     rows = catalogue()
@@ -180,6 +206,19 @@ def main(argv=None) -> int:
     x.add_argument("--arch", default="sm_90", help="GPU architecture to compile for (default sm_90)")
     x.add_argument("--out", default=None, help="directory (default: eqfuse-export/TARGET)")
     x.set_defaults(fn=cmd_export)
+    c = sub.add_parser("calibrate", help="measure this GPU (copy bandwidth, launch cost, matmul throughput) "
+                                         "for the cost model")
+    c.set_defaults(fn=cmd_calibrate)
+    b = sub.add_parser("bench", help="the benchmark suite: eqfuse vs eager vs torch.compile, a table, "
+                                     "JSON and a PNG chart")
+    b.add_argument("--tiny", action="store_true", help="a few elements per workload (on the CPU: the interpreter)")
+    b.add_argument("--out", default="benchmarks/results", help="directory for the JSON and the chart "
+                                                               "(default: benchmarks/results)")
+    b.add_argument("--only", nargs="+", default=None, help="workloads whose name contains any of these")
+    b.add_argument("--contenders", nargs="+", choices=["torch.compile", "eqfuse"], default=None,
+                   help="besides eager (default: both on a GPU, eqfuse alone on the CPU)")
+    b.add_argument("--no-chart", action="store_true", help="no PNG chart")
+    b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)
 

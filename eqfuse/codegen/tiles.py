@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from ..rewrite.cost import DEFAULT_DEVICE, Device
+from ..rewrite.cost import Device, device_model
 from ..schema import ops
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the shapes Triton's Hopper and Ampere
@@ -80,7 +80,8 @@ def runnable(cfg: dict) -> bool:
     return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N", "BLOCK_K")) and cfg["GROUP_M"] >= 1
 
 
-def modelled_time_us(sched, cfg: dict, device: Device = DEFAULT_DEVICE) -> float:
+def modelled_time_us(sched, cfg: dict, device: Device | None = None) -> float:
+    device = device or device_model()
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = math.ceil(sched.m / bm) * math.ceil(sched.n / bn) * math.prod(sched.batch)
     waves = math.ceil(tiles / device.sms)
@@ -93,6 +94,7 @@ def modelled_time_us(sched, cfg: dict, device: Device = DEFAULT_DEVICE) -> float
     return waves * (steps * step + TILE_OVERHEAD_US)
 
 
-def ranked(sched, device: Device = DEFAULT_DEVICE) -> list[dict]:
+def ranked(sched, device: Device | None = None) -> list[dict]:
     """Candidates, fastest modelled first (ties keep the table's order)."""
+    device = device or device_model()
     return sorted(candidates(sched), key=lambda cfg: modelled_time_us(sched, cfg, device))

@@ -4,13 +4,15 @@ time(kernel) = launch + max(bytes moved / bandwidth, compute / throughput)
 
 Bytes count each buffer a kernel reads once (a broadcast read costs the distinct
 elements it touches, not the broadcast size) and each buffer it writes. Device figures
-default to an H100/H200-class GPU; they are plain numbers so a calibration can replace them.
+default to an H100/H200-class GPU; ``eqfuse calibrate`` measures them on the GPU at hand
+and stores them per device name in the cache, where ``device_model()`` finds them.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
@@ -24,6 +26,7 @@ class Device:
     ops_per_us: float = 2.0e7  # pointwise cost units (about one flop each) per microsecond
     sms: int = 132
     l2_speedup: float = 2.5  # L2 bandwidth over HBM bandwidth
+    l2_bytes: int = 50 * 1024 * 1024  # recorded by calibration; the model does not use it yet
     # Dense matmul flops per microsecond that Triton kernels reach (not the datasheet peak).
     half_flops_per_us: float = 6.5e8  # float16 / bfloat16
     tf32_flops_per_us: float = 3.0e8
@@ -37,6 +40,53 @@ class Device:
 
 
 DEFAULT_DEVICE = Device()
+
+_calibrations: dict | None = None  # device name -> Device, read from the cache once per process
+
+
+def calibrations_path():
+    from ..runtime.cache import cache_dir
+    return cache_dir() / "devices.json"
+
+
+def load_calibrations() -> dict:
+    """Device name -> Device from the cache; an unreadable file or entry counts as absent."""
+    try:
+        raw = json.loads(calibrations_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    known = {f.name for f in fields(Device)}
+    out = {}
+    for name, figures in raw.items() if isinstance(raw, dict) else ():
+        try:
+            out[name] = Device(**{k: v for k, v in figures.items() if k in known})
+        except (TypeError, AttributeError):
+            continue
+    return out
+
+
+def save_calibration(device: Device) -> None:
+    from ..runtime.cache import write_atomic
+    global _calibrations
+    entries = {name: asdict(d) for name, d in load_calibrations().items()}
+    entries[device.name] = asdict(device)
+    write_atomic(calibrations_path(), json.dumps(entries, indent=1, sort_keys=True))
+    _calibrations = None
+
+
+def device_model(name: str | None = None) -> Device:
+    """The model of the GPU called ``name`` (by default the current CUDA device, or none on
+    a machine without one): its calibration if ``eqfuse calibrate`` measured it, else the
+    defaults, which also stand for the GPU the CPU interpreter's kernels are written for."""
+    global _calibrations
+    if name is None:
+        import torch
+        if not torch.cuda.is_available():
+            return DEFAULT_DEVICE
+        name = torch.cuda.get_device_name()
+    if _calibrations is None:
+        _calibrations = load_calibrations()
+    return _calibrations.get(name, DEFAULT_DEVICE)
 
 
 def load_footprint(node: PNode) -> int:
@@ -84,8 +134,9 @@ def kernel_compute(spec: KernelSpec) -> float:
     return total
 
 
-def kernel_time_us(spec: KernelSpec, buffers: dict, device: Device = DEFAULT_DEVICE,
+def kernel_time_us(spec: KernelSpec, buffers: dict, device: Device | None = None,
                    passes: int = 1, sched=None) -> float:
+    device = device or device_model()
     memory = passes * kernel_bytes(spec, buffers) / device.bandwidth_bytes_per_us
     compute = kernel_compute(spec) / device.ops_per_us
     if sched is not None and sched.kind == "matmul":

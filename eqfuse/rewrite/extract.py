@@ -26,7 +26,7 @@ from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
 from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides
 from ..schema.terms import bits_float, buffer_name, dtype_name
-from .cost import DEFAULT_DEVICE, Device, kernel_time_us
+from .cost import Device, device_model, kernel_time_us
 from .egraph_json import EGraphView, ENode
 
 OP_COST = {"Load": 1.0, "LoadStrided": 1.0, "Const": 0.01, "Iota": 0.1, "Where": 1.0, "Cast": 0.5,
@@ -63,10 +63,10 @@ def _broadcast_shapes(*shapes):
 
 
 class Extractor:
-    def __init__(self, view: EGraphView, translation, device: Device = DEFAULT_DEVICE):
+    def __init__(self, view: EGraphView, translation, device: Device | None = None):
         self.g = view
         self.tr = translation
-        self.device = device
+        self.device = device or device_model()
         self.kernel_of: dict[str, str] = {}  # value class -> Tensor class holding Kernel(value)
         self.tensor_node: dict[str, ENode] = {}  # Tensor class -> its Kernel / Input node
         for cid, nodes in view.classes.items():

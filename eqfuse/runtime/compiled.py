@@ -34,6 +34,7 @@ class Options:
     rules: tuple = ("algebra", "views", "fusion")
     autotune: bool = True
     validate: bool = True  # check the extracted plan against the graph on the example inputs
+    cuda_graphs: bool = True  # replay launches from CUDA graphs when inputs come back at the same addresses
 
     @classmethod
     def make(cls, **kw):
@@ -46,7 +47,7 @@ class Options:
 
 def _signature(tensors) -> tuple:
     """What a compiled variant is specialised to; computed on every call, so kept cheap."""
-    return tuple((t.shape, t.dtype, t.stride(), t.device) for t in tensors)
+    return tuple([(t.shape, t.dtype, t.stride(), t.device) for t in tensors])
 
 
 class CompiledGraph:
@@ -102,7 +103,7 @@ class CompiledGraph:
             except EqfuseError as e:  # inputs this graph cannot take: run them in eager
                 log.warning("eqfuse: these inputs run in eager: %s", e)
                 self._variants[sig] = variant = _EagerVariant(self.fn)
-        return variant(*inputs)
+        return variant.run(*inputs)
 
     def _variant(self, inputs) -> _Variant:
         for i, x in enumerate(inputs):
@@ -118,12 +119,9 @@ class CompiledGraph:
         return v
 
 
-@dataclass
 class _EagerVariant:
-    fn: Callable
-
-    def __call__(self, *inputs):
-        return self.fn(*inputs)
+    def __init__(self, fn: Callable):
+        self.run = fn
 
 
 @dataclass
@@ -152,14 +150,30 @@ class _Variant:
                       "report": {"seconds": {}, "note": f"whole graph runs in eager: {reason}"}}
         self.__dict__.update(result)
         self.report["seconds"]["total"] = round(time.perf_counter() - start, 4)
+        self.graphs = None
+        if self.whole_graph_eager:
+            self.run = self.fn
+            return
+        self.graphs = self._graph_replayer()
+        flat_run = self.graphs if self.graphs is not None else lambda inputs: self.run_kernels(*inputs)
+        unflatten = _unflattener(self.out_spec)
+        self.run = lambda *inputs: unflatten(flat_run(inputs))
 
     def __call__(self, *inputs):
-        if self.whole_graph_eager:
-            return self.fn(*inputs)
-        flat = self.launch(self.device, self.fallback_runners, *inputs, *self.constants)
-        if self.out_spec.is_leaf():
-            return flat[0]
-        return pytree.tree_unflatten(flat, self.out_spec)
+        return self.run(*inputs)
+
+    def run_kernels(self, *inputs) -> list:
+        """Launch the kernels (and eager steps) one by one; the flat outputs."""
+        return self.launch(self.device, self.fallback_runners, *inputs, *self.constants)
+
+    def _graph_replayer(self):
+        from .graphs import GraphReplayer
+
+        if not (self.options.cuda_graphs and self.device.type == "cuda" and self.kernels):
+            return None
+        if self.fallbacks:  # an eager step may synchronise or allocate on the host: not recordable
+            return None
+        return GraphReplayer(self.run_kernels, tuple(self.constants))
 
     def explain(self) -> str:
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: "
@@ -183,6 +197,15 @@ class _Variant:
         if rep.get("note"):
             lines.append(f"  note: {rep['note']}")
         return "\n".join(lines)
+
+
+def _unflattener(spec) -> Callable:
+    """flat outputs -> the function's output structure; the common shapes without pytree's walk."""
+    if spec.is_leaf():
+        return lambda flat: flat[0]
+    if spec.type is tuple and spec.num_leaves == spec.num_children:
+        return tuple
+    return lambda flat: pytree.tree_unflatten(flat, spec)
 
 
 def make_fallback_runner(step: FallbackStep) -> Callable:

@@ -1,0 +1,82 @@
+"""Launching one generated kernel with as little host work per call as possible.
+
+A generated kernel's sizes, block sizes and grid are all fixed when it is generated, so
+once Triton has compiled it nothing about a launch is left to decide but the tensors'
+addresses. ``kernel[grid](*args, **constexprs)`` still binds every argument, computes a
+specialisation key and hashes it, and its launcher asks the driver about every pointer,
+on each call. ``KernelLauncher`` goes through Triton's JIT only for the first call with a
+given pointer alignment (Triton specialises pointers on 16-byte alignment); later calls
+hand the addresses straight to the compiled kernel's C launcher. Under Triton's
+interpreter (CPU) it is the plain JIT call.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+
+_RUNTIME_KNOBS = knobs.runtime  # launch hooks a profiler sets: read on every launch, as Triton does
+
+
+def _listening(hook) -> bool:
+    """Triton 3.6 keeps launch hooks in a HookChain, empty unless a profiler added one."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _Compiled:
+    """One compiled specialisation of a kernel, and how to call its C launcher."""
+
+    def __init__(self, kernel, grid: tuple, tail: tuple):
+        self.kernel = kernel
+        runner = kernel.run  # Triton's CudaLauncher (loads the binary on first access)
+        self.prefix = (*grid,)
+        self.tail = tail
+        # The C entry point takes the addresses as ints (Triton's Python wrapper would also
+        # allocate scratch memory, which the kernels eqfuse generates never ask for; the
+        # wrapper stays in use where one does, or in a Triton that lays things out otherwise).
+        direct = all(hasattr(runner, a) for a in ("launch", "global_scratch_size", "profile_scratch_size",
+                                                  "launch_cooperative_grid", "launch_pdl"))
+        if direct and not runner.global_scratch_size and not runner.profile_scratch_size:
+            self.c_launch = runner.launch
+            self.flags = (runner.launch_cooperative_grid, runner.launch_pdl, None, None)
+        else:
+            self.c_launch = None
+
+    def __call__(self, stream, ptrs, tensors):
+        k = self.kernel
+        enter, leave = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+        if _listening(enter) or _listening(leave):  # a profiler: tell it about the launch, as Triton's JIT does
+            args = tensors + self.tail
+            k.run(*self.prefix, stream, k.function, k.packed_metadata,
+                  k.launch_metadata(self.prefix, stream, *args), enter, leave, *args)
+        elif self.c_launch is not None:
+            self.c_launch(*self.prefix, stream, k.function, *self.flags, k.packed_metadata, None, None, None,
+                          *ptrs, *self.tail)
+        else:
+            k.run(*self.prefix, stream, k.function, k.packed_metadata, None, None, None, *tensors, *self.tail)
+
+
+class KernelLauncher:
+    """``launcher(*tensors)`` runs ``fn[grid](*tensors, **constexprs, **options)``."""
+
+    def __init__(self, fn, grid: tuple, constexprs: dict, **options):
+        self.fn = fn
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.constexprs = constexprs
+        self.options = options
+        self.interpreted = type(fn).__name__ == "InterpretedFunction"
+        self._compiled: dict[tuple, _Compiled] = {}  # which pointers are 16-byte aligned -> kernel
+
+    def __call__(self, *tensors):
+        if self.interpreted:
+            self.fn[self.grid](*tensors, **self.constexprs, **self.options)
+            return
+        ptrs = [t.data_ptr() for t in tensors]
+        aligned = tuple([p & 15 == 0 for p in ptrs])
+        compiled = self._compiled.get(aligned)
+        if compiled is None:  # through the JIT, which compiles if needed
+            kernel = self.fn[self.grid](*tensors, **self.constexprs, **self.options)
+            tail = tuple(self.constexprs[name] for name in self.fn.arg_names[len(tensors):])
+            self._compiled[aligned] = _Compiled(kernel, self.grid, tail)
+            return
+        compiled(torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), ptrs, tensors)
