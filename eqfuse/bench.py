@@ -309,26 +309,29 @@ def run(tiny: bool = False, out_dir: str | None = None, only: list[str] | None =
         limits = {"bandwidth_bytes_per_us": model.bandwidth_bytes_per_us,
                   "matmul_flops_per_us": model.half_flops_per_us}
     progress = Progress(len(workloads))
-    rows = [run_workload(w, device, names, progress, limits) for w in workloads]
-    ranking = ranking_summary(rows)
+    stem = f"bench{'-tiny' if tiny else ''}_{env['device'].replace(' ', '-')}_{env['date']}"
+    result = {**env, "tiny": tiny, "limits": limits, "results": []}
+    rows = result["results"]
+    for w in workloads:
+        rows.append(run_workload(w, device, names, progress, limits))
+        result["ranking"] = ranking_summary(rows)
+        if out_dir:  # after every workload, so that a long run cut short keeps what it measured
+            os.makedirs(out_dir, exist_ok=True)
+            result["json_path"] = os.path.join(out_dir, stem + ".json")
+            with open(result["json_path"], "w") as f:
+                json.dump({k: v for k, v in result.items() if k != "json_path"}, f, indent=1)
+    ranking = result["ranking"]
     print_(format_table(rows, names))
     print_(f"cost model vs measured plans: Spearman {ranking['spearman']} over {ranking['plans']} plans; "
            f"fused vs unfused ordered as measured on {ranking['workloads_ordered_right']} workloads")
-    result = {**env, "tiny": tiny, "limits": limits, "ranking": ranking, "results": rows}
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        stem = f"bench{'-tiny' if tiny else ''}_{env['device'].replace(' ', '-')}_{env['date']}"
-        path = os.path.join(out_dir, stem + ".json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        result["json_path"] = path
-        print_(f"wrote {path}")
+        print_(f"wrote {result['json_path']}")
         if chart:
             from .chart import bar_chart_png
             png = os.path.join(out_dir, stem + ".png")
             series = {n: [r["contenders"].get(n, {}).get("us") for r in rows] for n in ["eager", *names]}
-            bar_chart_png(png, f"eqfuse bench, {env['device']}, microseconds (lower is better)",
-                          [r["workload"] for r in rows], series)
+            bar_chart_png(png, f"eqfuse bench, {env['device']}: speedup over eager (higher is better)",
+                          [r["workload"] for r in rows], series, normalise_to="eager")
             result["png_path"] = png
             print_(f"wrote {png}")
     return result

@@ -30,9 +30,10 @@ def test_report_and_explain():
 def test_generated_module_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
     x, w = torch.randn(4, 8), torch.rand(8)
-    eqfuse.compile(rmsnorm, (x, w), autotune=False)  # autotuning caches its trials too
-    files = list(tmp_path.glob("eqfuse_*.py"))
-    assert len(files) == 1 and "@triton.jit" in files[0].read_text()
+    compiled = eqfuse.compile(rmsnorm, (x, w), autotune=False)
+    # (on a GPU the trial launches that check each config write modules of their own)
+    cached = [f.read_text() for f in tmp_path.glob("eqfuse_*.py")]
+    assert compiled.source in cached and "@triton.jit" in compiled.source
 
 
 def test_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch):

@@ -155,12 +155,27 @@ class _Variant:
             self.run = self.fn
             return
         self.graphs = self._graph_replayer()
-        flat_run = self.graphs if self.graphs is not None else lambda inputs: self.run_kernels(*inputs)
-        unflatten = _unflattener(self.out_spec)
-        self.run = lambda *inputs: unflatten(flat_run(inputs))
+        self.run = self._runner()
 
     def __call__(self, *inputs):
         return self.run(*inputs)
+
+    def _runner(self) -> Callable:
+        """The per-call path, closed over what it needs: it runs on every call, so it does
+        without attribute lookups and layers where it can."""
+        call, device, fallbacks, constants = self.launch, self.device, self.fallback_runners, tuple(self.constants)
+        graphs, leaf = self.graphs, self.out_spec.is_leaf()
+        if graphs is not None:
+            flat = graphs
+        elif leaf:
+            return lambda *inputs: call(device, fallbacks, *inputs, *constants)[0]
+        else:
+            def flat(inputs):
+                return call(device, fallbacks, *inputs, *constants)
+        if leaf:
+            return lambda *inputs: flat(inputs)[0]
+        unflatten = _unflattener(self.out_spec)
+        return lambda *inputs: unflatten(flat(inputs))
 
     def run_kernels(self, *inputs) -> list:
         """Launch the kernels (and eager steps) one by one; the flat outputs."""
@@ -200,9 +215,7 @@ class _Variant:
 
 
 def _unflattener(spec) -> Callable:
-    """flat outputs -> the function's output structure; the common shapes without pytree's walk."""
-    if spec.is_leaf():
-        return lambda flat: flat[0]
+    """flat outputs -> the function's output structure; a tuple without pytree's walk."""
     if spec.type is tuple and spec.num_leaves == spec.num_children:
         return tuple
     return lambda flat: pytree.tree_unflatten(flat, spec)

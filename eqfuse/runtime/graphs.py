@@ -71,7 +71,7 @@ class GraphReplayer:
     def __call__(self, inputs: tuple) -> list:
         if self.disabled is not None or torch._C._cuda_isCurrentStreamCapturing():
             return self.launch(*inputs)  # inside the caller's own capture: just launch
-        key = tuple(x.data_ptr() for x in inputs)
+        key = tuple([x.data_ptr() for x in inputs])
         recordings = self._recordings.get(key)
         if recordings is None:
             if key not in self._seen or len(self._recordings) >= ADDRESS_SETS:

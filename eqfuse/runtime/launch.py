@@ -65,18 +65,21 @@ class KernelLauncher:
         self.constexprs = constexprs
         self.options = options
         self.interpreted = type(fn).__name__ == "InterpretedFunction"
-        self._compiled: dict[tuple, _Compiled] = {}  # which pointers are 16-byte aligned -> kernel
+        self._compiled: dict[tuple, _Compiled] = {}  # (device, each pointer 16-byte aligned?) -> kernel
 
     def __call__(self, *tensors):
         if self.interpreted:
             self.fn[self.grid](*tensors, **self.constexprs, **self.options)
             return
         ptrs = [t.data_ptr() for t in tensors]
-        aligned = tuple([p & 15 == 0 for p in ptrs])
-        compiled = self._compiled.get(aligned)
+        # Keyed like Triton's own cache: by the current device (kernels are loaded per device,
+        # and, as with Triton's JIT, eqfuse launches on the current one) and pointer alignment.
+        device = torch.cuda.current_device()
+        key = (device, *[p & 15 == 0 for p in ptrs])
+        compiled = self._compiled.get(key)
         if compiled is None:  # through the JIT, which compiles if needed
             kernel = self.fn[self.grid](*tensors, **self.constexprs, **self.options)
             tail = tuple(self.constexprs[name] for name in self.fn.arg_names[len(tensors):])
-            self._compiled[aligned] = _Compiled(kernel, self.grid, tail)
+            self._compiled[key] = _Compiled(kernel, self.grid, tail)
             return
-        compiled(torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), ptrs, tensors)
+        compiled(torch._C._cuda_getCurrentRawStream(device), ptrs, tensors)
