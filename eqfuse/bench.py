@@ -245,17 +245,20 @@ def ranking_summary(rows: list[dict]) -> dict:
 
 def format_table(rows: list[dict], names: list[str]) -> str:
     cols = ["eager", *names]
-    head = f"{'workload':38s}" + "".join(f"{c + ' us':>18s}" for c in cols) + f"{'speedup':>9s}{'of limit':>9s}" \
-           + f"{'compile s cold/warm':>21s}"
-    lines = [head, "-" * len(head)]
+    head = f"{'workload':36s}" + "".join(f"{c + ' us':>18s}" for c in cols) + f"{'speedup':>9s}{'of limit':>9s}"
+    head += "".join(f"{c + ' compile s':>24s}" for c in names)
+    lines = [head, " " * (36 + 18 * len(cols) + 18) + "".join(f"{'cold / warm':>24s}" for _ in names),
+             "-" * len(head)]
     for r in rows:
         c = r["contenders"]
-        line = f"{r['workload'][:38]:38s}" + "".join(f"{c.get(n, {}).get('us', math.nan):>18.1f}" for n in cols)
+        line = f"{r['workload'][:36]:36s}" + "".join(f"{c.get(n, {}).get('us', math.nan):>18.1f}" for n in cols)
         eq = c.get("eqfuse", {})
         limit = eq.get("fraction_of_bandwidth", eq.get("fraction_of_peak"))
         line += f"{eq.get('speedup_vs_eager', math.nan):>8.2f}x"
         line += f"{limit:>9.0%}" if limit is not None else f"{'':>9s}"
-        line += f"{eq.get('compile_s_cold', math.nan):>14.1f} / {eq.get('compile_s_warm', math.nan):<4.1f}"
+        for n in names:
+            cold, warm = (c.get(n, {}).get(k, math.nan) for k in ("compile_s_cold", "compile_s_warm"))
+            line += f"{cold:>17.1f} / {warm:<4.1f}"
         if not all(v.get("matches_eager", True) for v in c.values()):
             line += "  MISMATCH"
         lines.append(line)
@@ -288,7 +291,7 @@ def _fresh_caches() -> str:
 
 
 def run(tiny: bool = False, out_dir: str | None = None, only: list[str] | None = None,
-        contenders: list[str] | None = None, chart: bool = True, print_=print) -> dict:
+        contenders: list[str] | None = None, chart: bool = True, resume: bool = False, print_=print) -> dict:
     """Run the suite; print the table; write JSON (and a PNG chart) under ``out_dir``."""
     import json
     import os
@@ -308,10 +311,20 @@ def run(tiny: bool = False, out_dir: str | None = None, only: list[str] | None =
         model = calibrate(progress=print_)
         limits = {"bandwidth_bytes_per_us": model.bandwidth_bytes_per_us,
                   "matmul_flops_per_us": model.half_flops_per_us}
-    progress = Progress(len(workloads))
     stem = f"bench{'-tiny' if tiny else ''}_{env['device'].replace(' ', '-')}_{env['date']}"
     result = {**env, "tiny": tiny, "limits": limits, "results": []}
     rows = result["results"]
+    if resume and out_dir:  # keep the workloads an earlier run of today measured on this device
+        try:
+            with open(os.path.join(out_dir, stem + ".json")) as f:
+                rows += [r for r in json.load(f)["results"] if r["workload"] in {w.name for w in workloads}]
+        except (OSError, ValueError, KeyError):
+            pass
+        done = {r["workload"] for r in rows}
+        if done:
+            print_(f"resuming: {len(done)} workload(s) already measured")
+        workloads = [w for w in workloads if w.name not in done]
+    progress = Progress(len(workloads))
     for w in workloads:
         rows.append(run_workload(w, device, names, progress, limits))
         result["ranking"] = ranking_summary(rows)

@@ -160,7 +160,7 @@ def cmd_bench(args) -> int:
     from .bench import run
     try:
         result = run(tiny=args.tiny, out_dir=args.out, only=args.only, contenders=args.contenders,
-                     chart=not args.no_chart)
+                     chart=not args.no_chart, resume=args.resume)
     except ValueError as e:
         raise SystemExit(f"eqfuse bench: {e}") from None
     mismatched = [r["workload"] for r in result["results"]
@@ -218,6 +218,8 @@ def main(argv=None) -> int:
     b.add_argument("--contenders", nargs="+", choices=["torch.compile", "eqfuse"], default=None,
                    help="besides eager (default: both on a GPU, eqfuse alone on the CPU)")
     b.add_argument("--no-chart", action="store_true", help="no PNG chart")
+    b.add_argument("--resume", action="store_true", help="keep the workloads today's JSON in --out already has "
+                                                         "(a run cut short goes on where it stopped)")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)

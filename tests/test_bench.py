@@ -90,8 +90,9 @@ def test_bench_on_a_tiny_suite_writes_table_json_and_chart(tmp_path, monkeypatch
         unfused = next(p for p in r["plans"] if p["plan"] == "unfused")
         assert fused["kernels"] < unfused["kernels"]
     table = next(p for p in printed if p.startswith("workload"))
-    header, rule, *lines = table.splitlines()
-    assert "eager us" in header and "eqfuse us" in header and "compile s cold/warm" in header
+    header, subheader, rule, *lines = table.splitlines()
+    assert "eager us" in header and "eqfuse us" in header and "eqfuse compile s" in header
+    assert subheader.split() == ["cold", "/", "warm"] and set(rule) == {"-"}
     assert len(lines) == 2 and lines[0].startswith("RMSNorm 4096x4096 fp16")
     saved = json.loads(open(result["json_path"]).read())
     assert saved["tiny"] is True and saved["results"] == json.loads(json.dumps(rows))
@@ -100,6 +101,17 @@ def test_bench_on_a_tiny_suite_writes_table_json_and_chart(tmp_path, monkeypatch
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     progress = capsys.readouterr().err.splitlines()
     assert progress[-1].startswith("[" + "#" * 30 + "] 2/2 ")
+
+
+def test_bench_resumes_where_an_earlier_run_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "ROUNDS", 1)
+    quiet = {"print_": lambda _: None, "contenders": ["eqfuse"], "chart": False, "out_dir": str(tmp_path)}
+    first = bench.run(tiny=True, only=["RMSNorm 4096"], **quiet)
+    measured = first["results"][0]
+    monkeypatch.setattr(bench, "run_workload", lambda w, *a: {"workload": w.name, "contenders": {}, "new": True})
+    second = bench.run(tiny=True, only=["RMSNorm 4096", "softmax"], resume=True, **quiet)
+    assert [r["workload"] for r in second["results"]] == ["RMSNorm 4096x4096 fp16", "softmax 4096x4096 fp32"]
+    assert second["results"][0] == measured and second["results"][1]["new"]
 
 
 def test_bench_names_the_workloads_when_none_match():
