@@ -11,7 +11,7 @@ same input, runs the graph once and checks it against eager. The JIT path runs t
 with empty caches (eqfuse's module cache and Triton's kernel cache: every kernel compiled)
 and with the caches the first run left (the plan is still captured, saturated and
 extracted; Triton loads the compiled kernels from its cache). Dispatch is the host time
-per call, in this process, of 2000 calls back to back on the same inputs (the GPU work of
+per call, in this process, of 500 calls back to back on the same inputs (the GPU work of
 this model is a few microseconds, so the host is what is measured), median of interleaved
 rounds.
 """
@@ -83,7 +83,7 @@ def start_up(mode: str, directory: str, env: dict, reference) -> dict:
             "triton_imported": t["triton_imported"], "max_abs_err_vs_eager": err}
 
 
-def dispatch_us(fn, x, calls: int = 2000) -> float:
+def dispatch_us(fn, x, calls: int = 500) -> float:
     for _ in range(50):
         fn(x)
     torch.cuda.synchronize()
@@ -98,7 +98,7 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("export_startup.py measures on a CUDA GPU; none here")
@@ -114,21 +114,6 @@ def main(argv=None):
     export_s = time.perf_counter() - t0
     print(f"exported {len(compiled.kernels)} kernels in {export_s:.2f} s to {export_dir}")
 
-    env = dict(os.environ, EQFUSE_CACHE_DIR=str(work / "eqfuse-cache"), TRITON_CACHE_DIR=str(work / "triton-cache"))
-    rows = []
-    cold = start_up("jit", str(work), env, reference)
-    rows.append({"path": "jit, empty caches", "kind": "start-up", **cold})
-    for mode, label in (("jit", "jit, warm caches"), ("exported", "exported")):
-        runs = [start_up(mode, str(export_dir if mode == "exported" else work), env, reference)
-                for _ in range(args.repeats)]
-        best = sorted(runs, key=lambda r: r["spawn_to_first_result_s"])[len(runs) // 2]  # the median run
-        rows.append({"path": label, "kind": "start-up", **best,
-                     "all_spawn_to_first_result_s": [r["spawn_to_first_result_s"] for r in runs]})
-    for r in rows:
-        print(f"{r['path']:20s} spawn->torch {r['spawn_to_torch_s']:.3f} s, torch->first result "
-              f"{r['torch_to_first_result_s']:.3f} s, total {r['spawn_to_first_result_s']:.3f} s, "
-              f"triton imported: {r['triton_imported']}, max err {r['max_abs_err_vs_eager']:.2e}")
-
     exported = load_exported(export_dir)
     contenders = {"eager": model, "jit": compiled, "exported": exported}
     if "cuda_graphs" in eqfuse.Options.__dataclass_fields__:
@@ -138,11 +123,26 @@ def main(argv=None):
         for _ in range(args.rounds):
             for name, fn in contenders.items():
                 times[name].append(dispatch_us(fn, x))
+    rows = []
     for name, ts in times.items():
         us = statistics.median(ts)
         rows.append({"path": name, "kind": "dispatch", "host_us_per_call": round(us, 2),
                      "rounds_us": [round(t, 2) for t in ts]})
-        print(f"dispatch {name:24s} {us:8.2f} us per call")
+        print(f"dispatch {name:24s} {us:8.2f} us per call", flush=True)
+    env = dict(os.environ, EQFUSE_CACHE_DIR=str(work / "eqfuse-cache"), TRITON_CACHE_DIR=str(work / "triton-cache"))
+    cold = start_up("jit", str(work), env, reference)
+    rows.append({"path": "jit, empty caches", "kind": "start-up", **cold})
+    for mode, label in (("jit", "jit, warm caches"), ("exported", "exported")):
+        runs = [start_up(mode, str(export_dir if mode == "exported" else work), env, reference)
+                for _ in range(args.repeats)]
+        best = sorted(runs, key=lambda r: r["spawn_to_first_result_s"])[len(runs) // 2]  # the median run
+        rows.append({"path": label, "kind": "start-up", **best,
+                     "all_spawn_to_first_result_s": [r["spawn_to_first_result_s"] for r in runs]})
+    for r in (r for r in rows if r["kind"] == "start-up"):
+        print(f"{r['path']:20s} spawn->torch {r['spawn_to_torch_s']:.3f} s, torch->first result "
+              f"{r['torch_to_first_result_s']:.3f} s, total {r['spawn_to_first_result_s']:.3f} s, "
+              f"triton imported: {r['triton_imported']}, max err {r['max_abs_err_vs_eager']:.2e}")
+
     save_results(args.out, rows, model="LlamaLayer(hidden=64, heads=4, intermediate=128)",
                  input_shape=list(SHAPE), dtype="float16", kernels=len(compiled.kernels), export_seconds=export_s,
                  autotune=os.environ.get("EQFUSE_AUTOTUNE", "1") != "0")
