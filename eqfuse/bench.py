@@ -278,6 +278,16 @@ def environment() -> dict:
             "triton": triton.__version__, "eqfuse": eqfuse.__version__, "python": platform.python_version()}
 
 
+def write_chart(result: dict, path: str) -> None:
+    """Each contender's speedup over eager, per workload, as a PNG bar chart."""
+    from .chart import bar_chart_png
+    rows = result["results"]
+    names = list(dict.fromkeys(["eager", *(n for r in rows for n in r["contenders"])]))
+    series = {n: [r["contenders"].get(n, {}).get("us") for r in rows] for n in names}
+    bar_chart_png(path, f"eqfuse bench, {result['device']}", [r["workload"] for r in rows], series,
+                  normalise_to="eager")
+
+
 def _fresh_caches() -> str:
     """Point eqfuse's, Triton's and Inductor's caches at an empty directory, so the first
     compile of each workload is cold for every contender."""
@@ -340,11 +350,7 @@ def run(tiny: bool = False, out_dir: str | None = None, only: list[str] | None =
     if out_dir:
         print_(f"wrote {result['json_path']}")
         if chart:
-            from .chart import bar_chart_png
-            png = os.path.join(out_dir, stem + ".png")
-            series = {n: [r["contenders"].get(n, {}).get("us") for r in rows] for n in ["eager", *names]}
-            bar_chart_png(png, f"eqfuse bench, {env['device']}: speedup over eager (higher is better)",
-                          [r["workload"] for r in rows], series, normalise_to="eager")
-            result["png_path"] = png
-            print_(f"wrote {png}")
+            result["png_path"] = os.path.join(out_dir, stem + ".png")
+            write_chart(result, result["png_path"])
+            print_(f"wrote {result['png_path']}")
     return result
