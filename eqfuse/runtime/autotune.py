@@ -68,8 +68,6 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
     """kernel name -> config. Each trial regenerates the kernel for its config, so the masks
     always match the block sizes. ``measure=False`` (or ``EQFUSE_AUTOTUNE=0``) takes the
     first configuration that launches, in the model's order, and stores nothing."""
-    import triton.testing
-
     measure = measure and os.environ.get("EQFUSE_AUTOTUNE", "1") != "0"
     device = torch.cuda.get_device_name()
     store = _load_store()
@@ -86,6 +84,16 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
             pending.append((info, key))
     if not pending:
         return chosen
+    # AOTAutograd compiles with its FakeTensorMode active: trials need real memory.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure)
+    return chosen
+
+
+def _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure) -> None:
+    import triton.testing
+
     tensors = _scratch_tensors(plan, example_inputs, constants)
     for info, key in pending:
         best, best_t, failure = None, float("inf"), ""
@@ -124,4 +132,3 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
         chosen[info.name] = best
         if measure:
             _save(key, best)
-    return chosen
