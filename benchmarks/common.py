@@ -3,16 +3,13 @@ time, rank correlation, and the JSON results file with the environment it was me
 
 from __future__ import annotations
 
-import datetime
 import json
-import platform
 import time
 
 import torch
-import triton
 import triton.testing
 
-import eqfuse
+from eqfuse.bench import environment, spearman  # noqa: F401 - spearman is used by the scripts
 
 
 def inductor_compiled(fn, inputs):
@@ -29,11 +26,8 @@ def save_results(path: str | None, rows: list, **extra) -> None:
     """Write ``rows`` with the device, date and versions they were measured with."""
     if not path:
         return
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "triton": triton.__version__, "eqfuse": eqfuse.__version__,
-              "python": platform.python_version(), **extra, "results": rows}
     with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump({**environment(), **extra, "results": rows}, f, indent=1)
 
 
 ROUNDS = 5
@@ -50,18 +44,3 @@ def bench_interleaved(fns: dict) -> dict:
         for name, fn in fns.items():
             times[name].append(bench(fn))
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-
-
-def spearman(xs, ys) -> float | None:
-    if len(xs) < 3:
-        return None
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        for rank, i in enumerate(order):
-            r[i] = float(rank)
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    d2 = sum((a - b) ** 2 for a, b in zip(rx, ry))
-    return 1 - 6 * d2 / (n * (n * n - 1))
