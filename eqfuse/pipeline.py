@@ -12,8 +12,22 @@ from .errors import EqfuseError, ExtractionError, Unsupported
 
 
 def build(fn, example_inputs, options) -> dict:
-    from .codegen.module import generate_module
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from .frontend.capture import capture
+
+    t0 = time.perf_counter()
+    captured = capture(fn, example_inputs)
+    seconds = {"capture": time.perf_counter() - t0}
+    # AOTAutograd calls its compilers with its FakeTensorMode active. Everything after
+    # capture computes on real tensors (compile-time mask analysis, validation, trial
+    # launches on the GPU), so the mode is set aside.
+    with unset_fake_temporarily():
+        return _build_captured(fn, captured, example_inputs, options, seconds)
+
+
+def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dict:
+    from .codegen.module import generate_module
     from .rewrite.egraph_json import serialize
     from .rewrite.extract import Extractor
     from .rewrite.saturate import Limits, saturate
@@ -22,10 +36,6 @@ def build(fn, example_inputs, options) -> dict:
     from .runtime.compiled import VERSION, FallbackInfo, make_fallback_runner
     from .schema.from_fx import translate
 
-    seconds = {}
-    t0 = time.perf_counter()
-    captured = capture(fn, example_inputs)
-    seconds["capture"] = time.perf_counter() - t0
     device = example_inputs[0].device if example_inputs else torch.device("cpu")
     device_type = device.type
     title = getattr(fn, "__name__", type(fn).__name__)

@@ -45,3 +45,19 @@ def test_training_example_follows_eager(capsys):
     eqfuse.backend.history.clear()
     module.main(steps=2)  # asserts the losses agree
     assert "eqfuse loss" in capsys.readouterr().out
+
+
+def test_llama_inference_graph_compiles_whole_with_streamed_attention():
+    """Under no_grad AOTAutograd compiles one inference graph, with its FakeTensorMode
+    active: the compile-time mask analysis must still see real tensors."""
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = LlamaLayer()
+    x = torch.randn(2, 16, 64)
+    with torch.no_grad():
+        out, ref = torch.compile(model, backend="eqfuse")(x), model(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    (graph,) = eqfuse.backend.history
+    assert not graph.fallbacks, graph.explain()
+    assert any(k.schedule.kind == "attention" for k in graph.kernels), graph.explain()

@@ -84,10 +84,7 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
             pending.append((info, key))
     if not pending:
         return chosen
-    # AOTAutograd compiles with its FakeTensorMode active: trials need real memory.
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily():
-        _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure)
+    _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure)
     return chosen
 
 

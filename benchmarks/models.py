@@ -1,0 +1,112 @@
+"""Transformer blocks through torch.compile: eqfuse vs eager vs Inductor, in one run.
+
+    python benchmarks/models.py [--models llama gpt2] [--out results.json]
+
+The blocks are eqfuse.models' plain-PyTorch ones with random weights, fp16: a Llama-style
+decoder layer (RMSNorm, rotary, causal attention written with masked_fill, SwiGLU MLP)
+at batch 8, sequence 2048, hidden 4096, 32 heads, intermediate 11008; a GPT-2 block
+(LayerNorm, SDPA causal attention, gelu MLP) at GPT-2 base size, batch 8, sequence 1024.
+Each runs forward only (no_grad) and forward + backward. Reported per contender: the
+median time of a call (triton.testing.do_bench, interleaved rounds), compile seconds cold
+(the first call, caches empty) and warm (compiled again after torch._dynamo.reset), and
+for eqfuse the kernels and eager steps of the graphs it compiled. eqfuse compiles with
+autotune off (the tile model's first choice) to keep compile time bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+for var in ("EQFUSE_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):  # cold means cold
+    os.environ.setdefault(var, tempfile.mkdtemp(prefix=var.lower() + "-"))
+
+import torch  # noqa: E402
+from common import bench_interleaved, save_results  # noqa: E402
+
+import eqfuse.backend  # noqa: E402
+from eqfuse.models import GPT2Block, LlamaLayer  # noqa: E402
+
+MODELS = {
+    "llama": (lambda: LlamaLayer(hidden=4096, heads=32, intermediate=11008, max_seq=2048), (8, 2048, 4096)),
+    "gpt2": (lambda: GPT2Block(hidden=768, heads=12), (8, 1024, 768)),
+}
+
+
+def step(model, training: bool):
+    if training:
+        def run(x):
+            out = model(x)
+            out.float().pow(2).mean().backward()
+            return out
+        return run
+
+    def infer(x):
+        with torch.no_grad():
+            return model(x)
+    return infer
+
+
+def first_call(fn, x) -> tuple[float, torch.Tensor]:
+    """(seconds until the first result is ready, the result)."""
+    t0 = time.perf_counter()
+    out = fn(x)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out.detach().float()
+
+
+def measure(name: str, training: bool) -> dict:
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make().to("cuda", torch.float16)
+    x = torch.randn(*shape, device="cuda", dtype=torch.float16, requires_grad=False)
+    with torch.no_grad():
+        ref = model(x).float()
+    row = {"model": name, "mode": "forward+backward" if training else "forward", "shape": list(shape)}
+    fns = {"eager": step(model, training)}
+    for contender, backend_kw in (("torch.compile", {}),
+                                  ("eqfuse", {"backend": "eqfuse", "options": {"autotune": False}})):
+        seconds = []
+        for _ in range(2):  # cold, then warm
+            torch._dynamo.reset()
+            eqfuse.backend.history.clear()
+            fn = step(torch.compile(model, **backend_kw), training)
+            t, out = first_call(fn, x)
+            seconds.append(t)
+        fns[contender] = fn
+        err = (out - ref).abs().max().item()
+        entry = {"compile_s_cold": round(seconds[0], 1), "compile_s_warm": round(seconds[1], 1),
+                 "max_abs_err_vs_eager": round(err, 4)}
+        if contender == "eqfuse":
+            graphs = list(eqfuse.backend.history)
+            entry.update(graphs=len(graphs), kernels=sum(len(g.kernels) for g in graphs),
+                         eager_steps=[str(f) for g in graphs for f in g.fallbacks])
+        row[contender] = entry
+    times = bench_interleaved({n: (lambda f=f: f(x)) for n, f in fns.items()})
+    for n, us in times.items():
+        row.setdefault(n, {})["us"] = round(us, 1)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--modes", nargs="+", choices=["forward", "forward+backward"],
+                   default=["forward", "forward+backward"])
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    rows = []
+    for name in a.models:
+        for mode in a.modes:
+            row = measure(name, training=mode != "forward")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            save_results(a.out, rows, dtype="float16", eqfuse_options={"autotune": False})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
