@@ -156,7 +156,9 @@ def _fake_like(node, value: torch.Tensor):
 def real_examples(tensors) -> list:
     """Real tensors to run the graph on: the examples themselves, or, where they are fake
     (AOTAutograd hands compilers FakeTensors), random tensors of the same shape, dtype,
-    strides and device."""
+    strides and device. Random floats of two or more dims are scaled by 1/sqrt(last dim),
+    as weights are initialised: at model sizes N(0, 1) weights overflow float16 within a
+    layer, and a check between two overflowing computations tells nothing."""
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
     if not any(isinstance(t, FakeTensor) for t in tensors):
@@ -169,7 +171,7 @@ def real_examples(tensors) -> list:
                 continue
             x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             if t.dtype.is_floating_point:
-                x.normal_()
+                x.normal_(std=t.shape[-1] ** -0.5 if t.dim() >= 2 and t.shape[-1] > 0 else 1.0)
             elif t.dtype == torch.bool:
                 x.copy_(torch.rand(t.shape, device=t.device) > 0.5)
             else:
