@@ -7,9 +7,8 @@ import json
 import time
 
 import torch
-import triton.testing
 
-from eqfuse.bench import environment, spearman  # noqa: F401 - spearman is used by the scripts
+from eqfuse.bench import environment, gpu_us, spearman  # noqa: F401 - spearman is used by the scripts
 
 
 def inductor_compiled(fn, inputs):
@@ -33,8 +32,7 @@ def save_results(path: str | None, rows: list, **extra) -> None:
 ROUNDS = 5
 
 
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3  # us
+bench = gpu_us  # median microseconds, L2 flushed
 
 
 def bench_interleaved(fns: dict) -> dict:

@@ -102,10 +102,15 @@ class Progress:
         self.stream.flush()
 
 
+def gpu_us(fn) -> float:
+    """Median microseconds of ``fn`` on the GPU, L2 flushed before each call."""
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
 def _timer(device: str) -> Callable[[Callable], float]:
     if device == "cuda":
-        import triton.testing
-        return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+        return gpu_us
 
     def wall_us(fn):
         fn()
@@ -145,16 +150,6 @@ def _contender_makers(w: Workload, inputs, names):
     return makers
 
 
-def _matches(got, ref, contraction: bool) -> bool:
-    got = got if isinstance(got, tuple) else (got,)
-    ref = ref if isinstance(ref, tuple) else (ref,)
-    for g, r in zip(got, ref):
-        rtol, atol = ex.contraction_tolerance(r.dtype, r) if contraction else ex.tolerance(r.dtype)
-        if g.shape != r.shape or not torch.allclose(g.float(), r.float(), rtol=rtol, atol=atol, equal_nan=True):
-            return False
-    return True
-
-
 def run_workload(w: Workload, device: str, names: list[str], progress: Progress, limits: dict) -> dict:
     import eqfuse
     torch.manual_seed(0)
@@ -169,7 +164,7 @@ def run_workload(w: Workload, device: str, names: list[str], progress: Progress,
         _, warm = _compile_seconds(make, inputs, device)
         fns[name] = fn
         row["contenders"][name] = {"compile_s_cold": round(cold, 2), "compile_s_warm": round(warm, 2),
-                                   "matches_eager": _matches(fn(*inputs), ref, w.contraction)}
+                                   "matches_eager": ex.matches(fn(*inputs), ref, w.contraction)}
         if name == "eqfuse":
             row["contenders"][name].update(kernels=len(fn.kernels), fallbacks=[str(f) for f in fn.fallbacks])
     timer = _timer(device)

@@ -69,7 +69,7 @@ def cmd_demo(args) -> int:
     import eqfuse
 
     from .examples import ALL_EXAMPLES as EXAMPLES
-    from .examples import ATTENTION_EXAMPLES, MATMUL_EXAMPLES, contraction_tolerance, tolerance
+    from .examples import ATTENTION_EXAMPLES, MATMUL_EXAMPLES, matches
     contractions = {**MATMUL_EXAMPLES, **ATTENTION_EXAMPLES}
     device = _device()
     dtype = getattr(torch, DTYPES[args.dtype])
@@ -91,10 +91,7 @@ def cmd_demo(args) -> int:
         got = got if isinstance(got, tuple) else (got,)
         ref = ref if isinstance(ref, tuple) else (ref,)
         err = max((g.float() - r.float()).abs().nan_to_num().max().item() for g, r in zip(got, ref))
-        ok = True
-        for g, r in zip(got, ref):
-            rtol, atol = contraction_tolerance(dtype, r) if ex.name in contractions else tolerance(dtype)
-            ok &= torch.allclose(g.float(), r.float(), rtol=rtol, atol=atol, equal_nan=True)
+        ok = matches(got, ref, contraction=ex.name in contractions, dtype=dtype)
         failures += not ok
         shape = "x".join(map(str, inputs[0].shape))
         line = (f"{ex.name:24s} {shape:>13s} {len(compiled.kernels):>7d} {len(compiled.fallbacks):>9d} "

@@ -311,7 +311,20 @@ def contraction_tolerance(dtype: torch.dtype, ref: torch.Tensor) -> tuple[float,
     return rtol, atol
 
 
+def matches(got, ref, contraction: bool = False, dtype: torch.dtype | None = None) -> bool:
+    """Compiled outputs against eager's: same shapes, values within the tolerance of
+    ``dtype`` (each output's own by default); NaN where eager has NaN."""
+    got = got if isinstance(got, tuple) else (got,)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    for g, r in zip(got, ref):
+        dt = dtype or r.dtype
+        rtol, atol = contraction_tolerance(dt, r) if contraction else tolerance(dt)
+        if g.shape != r.shape or not torch.allclose(g.float(), r.float(), rtol=rtol, atol=atol, equal_nan=True):
+            return False
+    return True
+
+
 ALL_EXAMPLES: dict[str, Example] = {**EXAMPLES, **MATMUL_EXAMPLES, **ATTENTION_EXAMPLES}
 
 __all__ = ["ALL_EXAMPLES", "ATTENTION_EXAMPLES", "EXAMPLES", "MATMUL_EXAMPLES", "Example", "contraction_tolerance",
-           "math", "tolerance"]
+           "math", "matches", "tolerance"]

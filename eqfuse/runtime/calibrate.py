@@ -26,7 +26,8 @@ def _median_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def _copy_bytes_per_us() -> float:
+def copy_bytes_per_us() -> float:
+    """Bytes a large device-to-device copy moves per microsecond (read + write)."""
     src = torch.empty(COPY_BYTES // 4, device="cuda")
     dst = torch.empty_like(src)
     return 2 * COPY_BYTES / _median_us(lambda: dst.copy_(src))
@@ -64,7 +65,7 @@ def calibrate(progress: Callable[[str], None] = print) -> Device:
     progress(f"calibrating {name} ({props.multi_processor_count} SMs, "
              f"L2 {props.L2_cache_size // 1024} KiB)")
 
-    bandwidth = _copy_bytes_per_us()
+    bandwidth = copy_bytes_per_us()
     progress(f"  copy bandwidth      {bandwidth / 1e3:8.0f} GB/s")
 
     empty, scratch = _empty_kernel(), torch.empty(1, device="cuda")

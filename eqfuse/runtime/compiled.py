@@ -157,9 +157,6 @@ class _Variant:
         self.graphs = self._graph_replayer()
         self.run = self._runner()
 
-    def __call__(self, *inputs):
-        return self.run(*inputs)
-
     def _runner(self) -> Callable:
         """The per-call path, closed over what it needs: it runs on every call, so it does
         without attribute lookups and layers where it can."""
