@@ -101,3 +101,42 @@ def test_module_with_parameters():
     with torch.no_grad():
         m[0].weight.mul_(2)  # parameters are read at call time, not baked in
     assert_matches(c(x), m(x))
+
+
+SLICE_SCATTERS = [  # (base shape, dim, start, end): the middle, both edges, the whole, negative
+    ((5, 12), 1, 3, 8), ((5, 12), 1, 0, 4), ((5, 12), 1, 9, 12), ((5, 12), 0, 1, 3),
+    ((5, 12), 0, 0, 5), ((2, 3, 8), -1, -4, None), ((2, 3, 8), 1, 1, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,dim,start,end", SLICE_SCATTERS)
+def test_slice_scatter(shape, dim, start, end, dtype):
+    """slice_scatter (the backward of slicing) as a concatenation of base's parts and src."""
+    def f(base, src):
+        return torch.slice_scatter(base * 2, src + 1, dim, start, end) * 3
+
+    torch.manual_seed(0)
+    base = torch.randn(shape, dtype=dtype)
+    src = torch.randn(base[(slice(None),) * (dim % len(shape)) + (slice(start, end),)].shape, dtype=dtype)
+    compiled = eqfuse.compile(f, (base, src))
+    assert compiled.fallbacks == [], compiled.fallbacks
+    assert len(compiled.kernels) == 1, compiled.explain()
+    assert_matches(compiled(base, src), f(base, src))
+
+
+def test_slice_scatter_of_inputs_reads_them_in_place():
+    """Unmodified input parts are strided loads of the input: one kernel, exact values."""
+    base, src = torch.randn(4, 10), torch.randn(4, 3)
+    f = lambda base, src: torch.slice_scatter(base, src, 1, 2, 5)
+    compiled = eqfuse.compile(f, (base, src))
+    assert compiled.fallbacks == [] and len(compiled.kernels) == 1
+    assert torch.equal(compiled(base, src), f(base, src))
+
+
+def test_slice_scatter_with_a_step_runs_in_eager_with_the_reason():
+    f = lambda base, src: torch.slice_scatter(base * 2, src, 1, 0, 10, 2) + 1
+    base, src = torch.randn(4, 10), torch.randn(4, 5)
+    compiled = eqfuse.compile(f, (base, src))
+    assert [fb.reason for fb in compiled.fallbacks] == ["slice_scatter with step 2 (only step 1 is a concatenation)"]
+    assert_matches(compiled(base, src), f(base, src))

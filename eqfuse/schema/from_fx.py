@@ -628,6 +628,16 @@ def _select(tr, node, x, dim, index):
     return _view(tr, node, x, term)
 
 
+def _concat(tr, parts, dim: int, dt: str) -> Computed:
+    """``parts`` (entries of one rank) joined along ``dim``, cast to ``dt``."""
+    v = tr.cast(tr.value(parts[0]), parts[0].dtype, dt, parts[0].shape)
+    sofar = list(parts[0].shape)
+    for p in parts[1:]:
+        sofar[dim] += p.shape[dim]
+        v = tr.mk(tr.t.Cat(v, tr.cast(tr.value(p), p.dtype, dt, p.shape), dim), dt, tuple(sofar))
+    return Computed(v, tuple(sofar), dt)
+
+
 @handles(aten.cat)
 def _cat(tr, node, tensors, dim=0):
     shape, dt = _out(node)
@@ -636,12 +646,19 @@ def _cat(tr, node, tensors, dim=0):
     dim = dim % len(shape)
     if not parts:
         raise Unsupported("cat of nothing")
-    v = tr.cast(tr.value(parts[0]), parts[0].dtype, dt, parts[0].shape)
-    sofar = list(parts[0].shape)
-    for p in parts[1:]:
-        sofar[dim] += p.shape[dim]
-        v = tr.mk(tr.t.Cat(v, tr.cast(tr.value(p), p.dtype, dt, p.shape), dim), dt, tuple(sofar))
-    return Computed(v, shape, dt)
+    return _concat(tr, parts, dim, dt)
+
+
+def _part(tr, x, dim: int, start: int, size: int):
+    """``x`` narrowed to ``[start, start + size)`` along ``dim``: a strided view of an
+    input buffer, else a ``Slice`` term."""
+    sub_shape = list(x.shape)
+    sub_shape[dim] = size
+    if isinstance(x, BufferView) and x.foldable:
+        offset = x.offset + start * x.strides[dim]
+        return BufferView(x.buf, tuple(sub_shape), x.strides, offset, x.dtype, True)
+    term = tr.mk(tr.t.Slice(tr.value(x), dim, start, 1, size), x.dtype, tuple(sub_shape))
+    return Computed(term, tuple(sub_shape), x.dtype)
 
 
 @handles(aten.split, aten.split_with_sizes)
@@ -651,18 +668,31 @@ def _split(tr, node, x, sizes, dim=0):
     if isinstance(sizes, int):
         sizes = [min(sizes, n - s) for s in range(0, n, sizes)] or [0]
     out, start = [], 0
-    t = tr.t
     for size in sizes:
-        sub_shape = list(x.shape)
-        sub_shape[dim] = size
-        if isinstance(x, BufferView) and x.foldable:
-            offset = x.offset + start * x.strides[dim]
-            out.append(BufferView(x.buf, tuple(sub_shape), x.strides, offset, x.dtype, True))
-        else:
-            out.append(Computed(tr.mk(t.Slice(tr.value(x), dim, start, 1, size), x.dtype, tuple(sub_shape)),
-                                tuple(sub_shape), x.dtype))
+        out.append(_part(tr, x, dim, start, size))
         start += size
     return out
+
+
+@handles(aten.slice_scatter)
+def _slice_scatter(tr, node, base, src, dim=0, start=None, end=None, step=1):
+    """``base`` with ``src`` written over ``base[start:end]`` along ``dim``: with step 1 it
+    is ``cat(base[:start], src, base[end:])`` (the backward of slicing and of split, where
+    ``base`` is zeros). Empty parts are left out."""
+    if step != 1:
+        raise Unsupported(f"slice_scatter with step {step} (only step 1 is a concatenation)")
+    for x in (base, src):
+        if not isinstance(x, (BufferView, Computed)):
+            raise Unsupported("slice_scatter of a non-tensor")
+    shape, dt = _out(node)
+    dim = dim % len(shape)
+    lo = _norm_start(start, shape[dim])
+    hi = lo + src.shape[dim]  # src has exactly the sliced extent (torch checks it)
+    parts = [_part(tr, base, dim, 0, lo), src, _part(tr, base, dim, hi, shape[dim] - hi)]
+    parts = [p for p in parts if p.shape[dim] > 0]
+    if not parts:  # an empty tensor: any part states it
+        parts = [src]
+    return _concat(tr, parts, dim, dt)
 
 
 # --- matrix products -------------------------------------------------------------------------
