@@ -114,10 +114,9 @@ def main(argv=None):
     export_s = time.perf_counter() - t0
     print(f"exported {len(compiled.kernels)} kernels in {export_s:.2f} s to {export_dir}")
 
-    exported = load_exported(export_dir)
-    contenders = {"eager": model, "jit": compiled, "exported": exported}
-    if "cuda_graphs" in eqfuse.Options.__dataclass_fields__:
-        contenders["jit, cuda_graphs=False"] = eqfuse.compile(model, (x,), cuda_graphs=False)
+    contenders = {"eager": model, "jit": compiled, "exported": load_exported(export_dir),
+                  "jit, cuda_graphs=False": eqfuse.compile(model, (x,), cuda_graphs=False),
+                  "exported, cuda_graphs=False": load_exported(export_dir, cuda_graphs=False)}
     times = {name: [] for name in contenders}
     with torch.no_grad():
         for _ in range(args.rounds):

@@ -10,6 +10,12 @@ bottleneck: the script checks that a CUDA-graph replay of the eager ops is faste
 Contenders: eager PyTorch (three ops, three launches), torch.compile default and
 "reduce-overhead" (CUDA graphs), eqfuse with and without CUDA graphs. The median of
 ROUNDS rounds of CALLS calls each is reported.
+
+Beside them, the floor on this host: what any call that allocates an output and launches
+one kernel pays (one eager op, ``torch.empty_strided`` alone, eqfuse's kernel launched
+alone into a preallocated output, a bare ``CUDAGraph.replay()``), and the pieces of
+eqfuse's own call path (the signature check, the graph replayer's bookkeeping), so that
+the figures say how much of a call is eqfuse's and how much the host's.
 """
 
 from __future__ import annotations
@@ -64,6 +70,29 @@ def contenders(args):
     }
 
 
+def floor(fns: dict, args) -> dict:
+    """What a call costs on this host before eqfuse adds anything, and eqfuse's pieces."""
+    from eqfuse.runtime.compiled import _signature
+
+    x, y = args
+    variant = fns["eqfuse"]._main
+    module = variant.module
+    launcher = next(v for k, v in vars(module).items() if k.endswith("_launch"))
+    out = torch.empty_like(x)
+    replayer = fns["eqfuse cuda_graphs"]._main.graphs
+    recording = next(iter(replayer._recordings.values()))[0]
+    return {
+        "floor: one eager op (relu)": lambda *_: torch.relu(x),
+        "floor: torch.empty_strided": lambda *_: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                                    device=x.device),
+        "floor: eqfuse kernel alone, output preallocated": lambda *_: launcher(x, y, out),
+        "floor: CUDAGraph.replay() alone": lambda *_: recording.graph.replay(),
+        "piece: eqfuse signature check": lambda *_: _signature(args),
+        "piece: eqfuse generated call()": lambda *_: module.call(variant.device, [], x, y),
+        "piece: eqfuse replayer (no signature check)": lambda *_: replayer(args),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write the results as JSON here")
@@ -74,10 +103,13 @@ def main(argv=None) -> int:
     ref = graph(*args)
     for fn in fns.values():
         torch.testing.assert_close(fn(*args), ref)
+    for _ in range(3):  # eqfuse records its CUDA graph at the second call: let floor() find it
+        fns["eqfuse cuda_graphs"](*args)
     replay = torch.cuda.CUDAGraph()
     with torch.cuda.graph(replay):
         graph(*args)
     fns["(eager ops replayed from one CUDA graph)"] = lambda *_: replay.replay()
+    fns.update(floor(fns, args))
     times = per_call_us(fns, args)
     gpu_bound = times.pop("(eager ops replayed from one CUDA graph)")
     assert fns["eqfuse cuda_graphs"]._main.graphs.replays > 0, "eqfuse's CUDA graph was never replayed"

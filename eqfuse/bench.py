@@ -4,7 +4,8 @@ For each workload (DESIGN.md's table and the other issues' headline cases) every
 contender is compiled, checked against eager, and timed in interleaved rounds (on the GPU
 ``triton.testing.do_bench``, L2 flushed, median; on the CPU wall time of a few calls).
 Reported per contender: microseconds, speedup over eager, the fraction of the hardware
-limit it reaches (copy bandwidth for memory-bound work, measured cuBLAS throughput for
+limit it reaches (copy bandwidth for memory-bound work, both the calibrated bandwidth of a
+large copy and the time of a copy moving the same bytes; measured cuBLAS throughput for
 matrix products), and compile seconds cold (the first compile, every cache empty) and
 warm (the same compile again, caches filled). The suite also ranks candidate plans: each
 workload compiled with fusion and without, the cost model's predicted time against the
@@ -143,7 +144,9 @@ def _contender_makers(w: Workload, inputs, names):
     if "torch.compile" in names:
         def inductor():
             torch._dynamo.reset()
-            return torch.compile(w.fn)
+            # Static shapes, as eqfuse's: workloads share functions, and after a reset dynamo's
+            # profile of earlier calls would otherwise compile later sizes as dynamic.
+            return torch.compile(w.fn, dynamic=False)
         makers["torch.compile"] = inductor
     if "eqfuse" in names:
         makers["eqfuse"] = lambda: eqfuse.compile(w.fn, inputs)
@@ -174,6 +177,8 @@ def run_workload(w: Workload, device: str, names: list[str], progress: Progress,
         for n, fn in fns.items():
             times[n].append(timer(lambda fn=fn: fn(*inputs)))
     eager_us = sorted(times["eager"])[ROUNDS // 2]
+    if not w.flops and device == "cuda":
+        row["copy_same_bytes_us"] = round(_copy_us(w.ideal_bytes(inputs, ref), timer), 1)
     for n, ts in times.items():
         us = sorted(ts)[ROUNDS // 2]
         entry = row["contenders"].setdefault(n, {})
@@ -185,11 +190,22 @@ def run_workload(w: Workload, device: str, names: list[str], progress: Progress,
         elif limits.get("bandwidth_bytes_per_us"):
             bandwidth = limits["bandwidth_bytes_per_us"]
             entry["fraction_of_bandwidth"] = round(w.ideal_bytes(inputs, ref) / us / bandwidth, 3)
+            if "copy_same_bytes_us" in row:
+                entry["fraction_of_copy_same_bytes"] = round(row["copy_same_bytes_us"] / us, 3)
     if "eqfuse" in fns:
         progress.step(f"{w.name}: candidate plans")
         row["plans"] = _candidate_plans(w, inputs, timer, eqfuse)
     progress.step(f"{w.name}: done", advance=True)
     return row
+
+
+def _copy_us(nbytes: int, timer) -> float:
+    """A device-to-device copy that moves ``nbytes`` in all (half read, half written): the
+    hardware limit at this size, ramp-up and tail of a short kernel included, where the
+    calibrated bandwidth is that of a copy far larger."""
+    src = torch.empty(nbytes // 8, dtype=torch.float32, device="cuda")  # as calibrate's copy
+    dst = torch.empty_like(src)
+    return timer(lambda: dst.copy_(src))
 
 
 def _candidate_plans(w: Workload, inputs, timer, eqfuse) -> list[dict]:

@@ -4,7 +4,9 @@
     graph(*inputs)                  # allocates the buffers, launches the kernels in order
 
 The kernels are launched through the CUDA driver API (cuda_driver.py) on torch's current
-stream; nothing here imports Triton or compiles anything. The manifest is checked against
+stream; nothing here imports Triton or compiles anything. As with the JIT path, calls
+whose inputs come back at the same addresses replay a CUDA graph of the launches
+(graphs.py; ``cuda_graphs=False`` launches kernel by kernel every call). The manifest is checked against
 what it is used with: the device's compute capability, every file it names, and the
 shapes, dtypes and strides of the inputs (the kernels are specialised to them).
 """
@@ -28,9 +30,9 @@ class ExportedGraphError(EqfuseError):
     """An exported graph that cannot run here: a missing file, another GPU, other inputs."""
 
 
-def load_exported(directory, device=None) -> ExportedGraph:
+def load_exported(directory, device=None, cuda_graphs: bool = True) -> ExportedGraph:
     """The graph exported to ``directory``, ready to run on ``device`` (default: the current CUDA device)."""
-    return ExportedGraph(Manifest.read(directory), device)
+    return ExportedGraph(Manifest.read(directory), device, cuda_graphs)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -128,8 +130,9 @@ class _Launch:
 class ExportedGraph:
     """The exported kernels loaded on one CUDA device; call it like the compiled function."""
 
-    def __init__(self, manifest: Manifest, device=None):
+    def __init__(self, manifest: Manifest, device=None, cuda_graphs: bool = True):
         from . import cuda_driver
+        from .graphs import GraphReplayer
 
         if not torch.cuda.is_available():
             raise ExportedGraphError("an exported graph runs on a CUDA GPU, and torch sees none here")
@@ -164,6 +167,7 @@ class ExportedGraph:
         import torch.utils._pytree as pytree
         self._out_spec = pytree.treespec_loads(data["out_spec"])
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self.replayer = GraphReplayer(self._launch, tuple(self._constants.values())) if cuda_graphs else None
 
     def _read_constant(self, record: dict) -> torch.Tensor:
         raw = (self.manifest.directory / record["file"]).read_bytes()
@@ -186,6 +190,14 @@ class ExportedGraph:
             if x.data_ptr() % self._align:
                 raise ExportedGraphError(f"input {i} starts at an address not a multiple of {self._align} bytes "
                                          "(the kernels were compiled for aligned pointers): pass x.clone()")
+        flat = self._launch(*inputs) if self.replayer is None else self.replayer(inputs)
+        if self._out_spec.is_leaf():
+            return flat[0]
+        import torch.utils._pytree as pytree
+        return pytree.tree_unflatten(flat, self._out_spec)
+
+    def _launch(self, *inputs) -> list:
+        """Launches every kernel on checked inputs; the flat outputs."""
         bufs = dict(zip(self._input_names, inputs))
         bufs.update(self._constants)
         for name, shape, strides, dtype in self._buffers:
@@ -206,11 +218,7 @@ class ExportedGraph:
                                    stream, ln.pointers, None)
             if result:
                 check(result, f"cuLaunchKernel({ln.name})")
-        flat = [self._output(o, bufs) for o in self._outputs]
-        if self._out_spec.is_leaf():
-            return flat[0]
-        import torch.utils._pytree as pytree
-        return pytree.tree_unflatten(flat, self._out_spec)
+        return [self._output(o, bufs) for o in self._outputs]
 
     @staticmethod
     def _output(record: dict, bufs: dict):
