@@ -11,6 +11,7 @@ wrong operator.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -18,77 +19,287 @@ import torch
 from ..schema import ops
 from ..schema.plan import BufArg, KernelSpec, Plan, PNode
 
+# Memory bound of the check. A kernel whose nodes hold more elements than this is
+# evaluated in chunks along one dim of each root (the query rows of attention: the
+# score matrix of a Llama layer at batch 8 x 2048 tokens x 32 heads is 4 GiB in float32,
+# and a streamed-attention kernel has several such nodes), so that each intermediate
+# holds about this many elements. Outputs are compared in pieces of this size.
+CHUNK_ELEMENTS = 1 << 24
+
 
 def _compute_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype in ops.NARROW_FLOATS else ops.DTYPES[dtype]
 
 
-def _eval(node: PNode, buffers: dict, memo: dict, device) -> torch.Tensor:
-    if id(node) in memo:
-        return memo[id(node)]
-    a = [_eval(x, buffers, memo, device) for x in node.args]
+def _apply(node: PNode, a: list, shape: tuple, device) -> torch.Tensor:
+    """The value of ``node`` given its arguments' values ``a``; ``shape`` is the node's
+    shape, or a narrowing of it (then ``a`` are narrowed to match)."""
     op, at = node.op, node.attrs
-    if op == "load":
-        base = buffers[at[0]]
-        v = torch.as_strided(base, node.shape, at[1], base.storage_offset() + at[2])
-        v = v.to(_compute_dtype(node.dtype))
-    elif op == "const":
-        v = torch.tensor(at[0], dtype=_compute_dtype(node.dtype), device=device)
-    elif op == "iota":
-        shape = [1] * len(node.shape)
-        shape[at[0]] = node.shape[at[0]]
-        v = torch.arange(node.shape[at[0]], device=device).reshape(shape).expand(node.shape)
-    elif op == "unary":
-        v = ops.UNARY[at[0]].torch_fn(a[0])
-    elif op == "binary":
-        v = ops.BINARY[at[0]].torch_fn(a[0], a[1])
-    elif op == "where":
-        v = torch.where(a[0], a[1], a[2])
-    elif op == "cast":
-        v = a[0].to(ops.DTYPES[node.dtype]).to(_compute_dtype(node.dtype))
-    elif op == "reduce":
-        v = ops.REDUCE[at[0]][0](a[0])
-    elif op == "broadcast":
-        v = a[0].broadcast_to(node.shape)
-    elif op == "reshape":
-        v = a[0].reshape(node.shape)
-    elif op == "permute":
-        v = a[0].permute(at[0])
-    elif op == "slice":
+    if op == "const":
+        return torch.tensor(at[0], dtype=_compute_dtype(node.dtype), device=device)
+    if op == "unary":
+        return ops.UNARY[at[0]].torch_fn(a[0])
+    if op == "binary":
+        return ops.BINARY[at[0]].torch_fn(a[0], a[1])
+    if op == "where":
+        return torch.where(a[0], a[1], a[2])
+    if op == "cast":
+        return a[0].to(ops.DTYPES[node.dtype]).to(_compute_dtype(node.dtype))
+    if op == "reduce":
+        return ops.REDUCE[at[0]][0](a[0])
+    if op == "broadcast":
+        return a[0].broadcast_to(shape)
+    if op == "reshape":
+        return a[0].reshape(shape)
+    if op == "permute":
+        return a[0].permute(at[0])
+    if op == "slice":
         dim, start, step = at
         index = [slice(None)] * a[0].dim()
-        index[dim] = slice(start, start + step * node.shape[dim], step)
-        v = a[0][tuple(index)]
-    elif op == "cat":
-        v = torch.cat([a[0], a[1]], at[0])
-    elif op == "dot":
-        v = torch.matmul(a[0], a[1])
-    elif op == "expdot":
+        index[dim] = slice(start, start + step * shape[dim], step)
+        return a[0][tuple(index)]
+    if op == "cat":
+        return torch.cat([a[0], a[1]], at[0])
+    if op == "dot":
+        return torch.matmul(a[0], a[1])
+    if op == "expdot":
         weights = torch.exp(a[0] - a[0].amax(-1, keepdim=True)).to(ops.DTYPES[node.args[1].dtype])
-        v = torch.matmul(weights.to(a[1].dtype), a[1])
-    elif op == "expsum":
-        v = torch.exp(a[0] - a[0].amax(-1, keepdim=True)).sum(-1, keepdim=True)
-    else:  # pragma: no cover - every plan op is listed above
-        raise AssertionError(op)
-    memo[id(node)] = v
-    return v
+        return torch.matmul(weights.to(a[1].dtype), a[1])
+    if op == "expsum":
+        return torch.exp(a[0] - a[0].amax(-1, keepdim=True)).sum(-1, keepdim=True)
+    raise AssertionError(op)  # pragma: no cover - every plan op is listed above
+
+
+class _KernelEvaluator:
+    """Evaluates the nodes of one kernel with PyTorch ops, whole (``full``) or narrowed
+    to a range along one dim (``narrow``). A narrowed node asks its arguments only for
+    the part it reads; where that part is not a range of one dim (a reshape that
+    scatters the range), the argument is evaluated whole, once, and narrowed after."""
+
+    def __init__(self, buffers: dict, device):
+        self.buffers, self.device = buffers, device
+        self.memo: dict = {}  # id(node) -> whole value, for the whole kernel
+
+    def full(self, node: PNode) -> torch.Tensor:
+        v = self.memo.get(id(node))
+        if v is None:
+            if node.op == "load":
+                v = self._view(node).to(_compute_dtype(node.dtype))
+            elif node.op == "iota":
+                v = self._iota(node)
+            else:
+                v = _apply(node, [self.full(x) for x in node.args], node.shape, self.device)
+            self.memo[id(node)] = v
+        return v
+
+    def _view(self, node: PNode) -> torch.Tensor:
+        base = self.buffers[node.attrs[0]]
+        return torch.as_strided(base, node.shape, node.attrs[1], base.storage_offset() + node.attrs[2])
+
+    def _iota(self, node: PNode) -> torch.Tensor:
+        dim = node.attrs[0]
+        shape = [1] * len(node.shape)
+        shape[dim] = node.shape[dim]
+        return torch.arange(node.shape[dim], device=self.device).reshape(shape).expand(node.shape)
+
+    def narrow(self, node: PNode, dim: int, lo: int, hi: int, memo: dict) -> torch.Tensor:
+        """``node``'s value narrowed to ``[lo, hi)`` along ``dim``; ``memo`` holds the
+        narrowed values of one chunk."""
+        if lo == 0 and hi == node.shape[dim]:
+            return self.full(node)
+        key = (id(node), dim, lo, hi)
+        if key not in memo:
+            memo[key] = self._narrow(node, dim, lo, hi, memo)
+        return memo[key]
+
+    def _narrow(self, node: PNode, dim: int, lo: int, hi: int, memo: dict) -> torch.Tensor:
+        op = node.op
+        shape = node.shape[:dim] + (hi - lo,) + node.shape[dim + 1:]
+        if op == "load":  # a view first: only the chunk is converted
+            return self._view(node).narrow(dim, lo, hi - lo).to(_compute_dtype(node.dtype))
+        if op in ("iota", "const"):  # cheap whole (an expanded arange, a scalar)
+            return self.full(node).narrow(dim, lo, hi - lo) if node.shape else self.full(node)
+        if op == "slice" and node.attrs[0] == dim:
+            _, start, step = node.attrs
+            part = self.narrow(node.args[0], dim, start + lo * step, start + (hi - 1) * step + 1, memo)
+            return part[(slice(None),) * dim + (slice(None, None, step),)]
+        if op == "cat" and node.attrs[0] == dim:
+            return self._narrow_cat(node, dim, lo, hi, memo)
+        if op == "reshape":
+            return self._narrow_reshape(node, dim, lo, hi, memo)
+        args = [self._narrow_arg(x, d, lo, hi, memo) for x, d in zip(node.args, _arg_dims(node, dim))]
+        v = _apply(node, args, shape, self.device)
+        if tuple(v.shape) != shape:  # no argument carried the range: computed whole
+            assert tuple(v.shape) == tuple(node.shape), (node, v.shape)
+            v = v.narrow(dim, lo, hi - lo)
+        return v
+
+    def _narrow_arg(self, arg: PNode, dim, lo, hi, memo):
+        """An argument narrowed along ``dim`` if it has that range there (not broadcast), else whole."""
+        if dim is None or arg.shape[dim] == 1:
+            return self.full(arg)
+        return self.narrow(arg, dim, lo, hi, memo)
+
+    def _narrow_cat(self, node, dim, lo, hi, memo):
+        first, second = node.args
+        n0 = first.shape[dim]
+        parts = []
+        if lo < n0:
+            parts.append(self.narrow(first, dim, lo, min(hi, n0), memo))
+        if hi > n0:
+            parts.append(self.narrow(second, dim, max(lo, n0) - n0, hi - n0, memo))
+        return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+
+    def _narrow_reshape(self, node, dim, lo, hi, memo):
+        """A range of an output dim of a reshape is a range of the flat index within
+        each block of the dims before it; where the dims before it match a prefix of the
+        input's dims, it is a range of the input's next dim (rounded out to whole
+        elements of it, and trimmed after the reshape)."""
+        arg = node.args[0]
+        out, inp = node.shape, arg.shape
+        prefix = math.prod(out[:dim])
+        in_dim = next((i for i in range(len(inp) - 1, -1, -1) if math.prod(inp[:i]) == prefix), None)
+        if in_dim is None:
+            return self.full(node).narrow(dim, lo, hi - lo)
+        block = math.prod(out[dim:])  # elements of one prefix index
+        out_inner, in_inner = block // out[dim], block // max(inp[in_dim], 1)
+        a, b = lo * out_inner // in_inner, -(-hi * out_inner // in_inner)
+        if (a * in_inner) % out_inner or (b * in_inner) % out_inner:
+            return self.full(node).narrow(dim, lo, hi - lo)  # the input's range splits output rows
+        part = self.narrow(arg, in_dim, a, b, memo)
+        v = part.reshape(out[:dim] + ((b - a) * in_inner // out_inner,) + out[dim + 1:])
+        return v.narrow(dim, lo - a * in_inner // out_inner, hi - lo)
+
+
+def _arg_dims(node: PNode, dim: int) -> list:
+    """For a node narrowed along ``dim``: the dim of each argument to narrow likewise
+    (None: the argument is needed whole)."""
+    op, rank = node.op, len(node.shape)
+    if op == "permute":
+        return [node.attrs[0][dim]]
+    if op in ("dot", "expdot"):
+        a, b = node.args
+        if min(len(a.shape), len(b.shape)) < 2:
+            return [None, None]
+        if dim == rank - 2:
+            return [len(a.shape) - 2, None]
+        if dim == rank - 1:
+            return [None, len(b.shape) - 1]
+    if op == "expsum" and dim == rank - 1:
+        return [None]
+    if op == "reduce" and dim == rank - 1:
+        return [None]
+    # Pointwise ops, broadcasts, batch dims of products, reductions over the last dim, a
+    # slice or cat along another dim: arguments line up from the right.
+    dims = []
+    for x in node.args:
+        d = dim - (rank - len(x.shape))
+        dims.append(d if d >= 0 and x.shape[d] == node.shape[dim] else None)
+    return dims
+
+
+class _Probe(_KernelEvaluator):
+    """An evaluator on meta tensors (no data, no time) that records the largest value
+    it had to compute whole. Loads are not counted: a whole load is a view of a buffer
+    that exists anyway (converted to float32 at most), as the values of attention are."""
+
+    def __init__(self, buffers: dict):
+        meta = {k: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                for k, v in buffers.items() if isinstance(v, torch.Tensor)}
+        super().__init__(meta, torch.device("meta"))
+        self.largest = 0
+
+    def full(self, node: PNode) -> torch.Tensor:
+        v = super().full(node)
+        if node.op not in ("const", "iota", "load"):
+            self.largest = max(self.largest, v.numel())
+        return v
+
+
+def _chunk_dim(root: PNode, buffers: dict) -> int:
+    """The dim to evaluate ``root`` in chunks along: the longest (the last only for
+    vectors) whose one-row chunk needs no large value computed whole. A reshape that
+    splits the dim across others makes its argument whole; the longest dim of a
+    ``[B, S, H]`` view of a ``[B * S, H]`` product is S, which cannot be narrowed
+    there, but B can."""
+    dims = sorted(range(max(len(root.shape) - 1, 1)), key=lambda d: -root.shape[d])
+    best, best_largest = dims[0], None
+    for d in dims:
+        if root.shape[d] == 1:
+            continue
+        probe = _Probe(buffers)
+        try:
+            probe.narrow(root, d, 0, 1, {})
+        except Exception:  # noqa: BLE001 - an op meta tensors lack: try another dim
+            continue
+        if probe.largest <= CHUNK_ELEMENTS:
+            return d
+        if best_largest is None or probe.largest < best_largest:
+            best, best_largest = d, probe.largest
+    return best
+
+
+def _eval_kernel(step: KernelSpec, plan: Plan, buffers: dict, device) -> None:
+    ev = _KernelEvaluator(buffers, device)
+    for root, buf in step.roots:
+        b = plan.buffers[buf]
+        out = torch.empty_strided(b.shape, b.layout, dtype=ops.DTYPES[b.dtype], device=device)
+        biggest = max(n.numel for n in root.walk())
+        if biggest <= CHUNK_ELEMENTS or tuple(root.shape) != tuple(b.shape) or not root.shape:
+            out.copy_(ev.full(root).broadcast_to(b.shape))
+        else:
+            dim = _chunk_dim(root, buffers)
+            rows = root.shape[dim]
+            step_rows = max(1, rows * CHUNK_ELEMENTS // biggest)
+            for lo in range(0, rows, step_rows):
+                hi = min(rows, lo + step_rows)
+                out.narrow(dim, lo, hi - lo).copy_(ev.narrow(root, dim, lo, hi, {}))
+        buffers[buf] = out
+
+
+def _last_reads(plan: Plan) -> dict:
+    """For each buffer, the index of the last step that reads it."""
+    from ..schema.from_fx import BufRef
+
+    last: dict = {}
+
+    def refs(obj, i):
+        if isinstance(obj, BufArg):
+            last[obj.name] = i
+        elif isinstance(obj, BufRef):
+            last[obj.buf] = i
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                refs(x, i)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                refs(x, i)
+
+    for i, step in enumerate(plan.steps):
+        if isinstance(step, KernelSpec):
+            for n in step.walk():
+                if n.op == "load":
+                    last[n.attrs[0]] = i
+        else:
+            refs((step.args, step.kwargs), i)
+    return last
 
 
 def evaluate(plan: Plan, inputs, fallback_runner) -> list:
-    """The plan's flat outputs, computed with PyTorch ops."""
+    """The plan's flat outputs, computed with PyTorch ops. Buffers no output needs are
+    dropped after their last reader."""
     device = inputs[0].device if inputs else torch.device("cpu")
     buffers = {b.name: x for b, x in zip(plan.inputs, inputs)}
-    for step in plan.steps:
+    kept = {o[1] if o[0] != "view" else o[1].buf for o in plan.outputs if o[0] in ("buffer", "view", "opaque")}
+    last = _last_reads(plan)
+    for i, step in enumerate(plan.steps):
         if isinstance(step, KernelSpec):
-            memo: dict = {}
-            for root, buf in step.roots:
-                b = plan.buffers[buf]
-                v = _eval(root, buffers, memo, device)
-                out = torch.empty_strided(b.shape, b.layout, dtype=ops.DTYPES[b.dtype], device=device)
-                buffers[buf] = out.copy_(v.broadcast_to(b.shape))
+            _eval_kernel(step, plan, buffers, device)
         else:
             outs = fallback_runner(step)(buffers)
             buffers.update(zip(step.outputs, outs))
+        for name in [n for n, j in last.items() if j == i and n not in kept]:
+            buffers.pop(name, None)
     result = []
     for o in plan.outputs:
         if o[0] == "buffer":
@@ -124,27 +335,53 @@ def mismatch(plan: Plan, captured, fallback_runner) -> str | None:
         return _first_difference(got, expected, eager)
 
 
+def _pieces(t: torch.Tensor, limit: int):
+    """``t`` in flat pieces of at most about ``limit`` elements, cut by its shape alone
+    (two tensors of one shape give matching pieces, whatever their strides)."""
+    if t.numel() <= limit or t.dim() == 0:
+        yield t.reshape(-1)
+        return
+    row = t.numel() // t.shape[0]
+    for part in t.split(max(1, limit // max(row, 1))):
+        if part.numel() <= limit or part.dim() == 1:
+            yield part.reshape(-1)
+        else:
+            for r in part:
+                yield from _pieces(r, limit)
+
+
 def _first_difference(got, expected, skip=frozenset()) -> str | None:
     for i, (g, e) in enumerate(zip(got, expected)):
         if not isinstance(e, torch.Tensor) or i in skip:
             continue
         if g.shape != e.shape or g.dtype != e.dtype:
             return f"output {i}: {tuple(g.shape)} {g.dtype} instead of {tuple(e.shape)} {e.dtype}"
-        if not e.dtype.is_floating_point:
-            if not torch.equal(g, e):
-                return f"output {i}: values differ"
-            continue
-        g64, e64 = g.double(), e.double()
+        problem = _compare(g, e) if e.dtype.is_floating_point else \
+            next(("values differ" for gp, ep in zip(_pieces(g, CHUNK_ELEMENTS), _pieces(e, CHUNK_ELEMENTS))
+                  if not torch.equal(gp, ep)), None)
+        if problem:
+            return f"output {i}: {problem}"
+    return None
+
+
+def _compare(g: torch.Tensor, e: torch.Tensor) -> str | None:
+    """Float outputs: NaN and infinities in the same places, and the norm of the
+    difference over the finite elements within a dtype tolerance of the norm of eager's
+    values. Computed piece by piece in float64."""
+    err2 = scale2 = 0.0
+    for gp, ep in zip(_pieces(g, CHUNK_ELEMENTS), _pieces(e, CHUNK_ELEMENTS)):
+        g64, e64 = gp.double(), ep.double()
         if not torch.equal(torch.isnan(g64), torch.isnan(e64)):
-            return f"output {i}: NaN in different places"
+            return "NaN in different places"
         finite = torch.isfinite(e64) & torch.isfinite(g64)
-        if not torch.equal(g64[~finite].nan_to_num(), e64[~finite].nan_to_num()):
-            return f"output {i}: infinities differ"
-        err = (g64[finite] - e64[finite]).norm()
-        scale = e64[finite].norm() + 1e-30
-        rtol = {torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(e.dtype, 1e-4)
-        if err > rtol * scale and err > 1e-6 * g64.numel() ** 0.5:
-            return f"output {i}: relative error {float(err / scale):.2e}"
+        if not torch.equal(torch.where(finite, 0, g64).nan_to_num(), torch.where(finite, 0, e64).nan_to_num()):
+            return "infinities differ"
+        err2 += float(torch.where(finite, g64 - e64, 0).square().sum())
+        scale2 += float(torch.where(finite, e64, 0).square().sum())
+    err, scale = err2 ** 0.5, scale2 ** 0.5 + 1e-30
+    rtol = {torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(e.dtype, 1e-4)
+    if err > rtol * scale and err > 1e-6 * e.numel() ** 0.5:
+        return f"relative error {err / scale:.2e}"
     return None
 
 

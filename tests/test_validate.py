@@ -1,0 +1,95 @@
+"""Translation validation in bounded memory: a kernel evaluated in chunks along one dim
+of its roots gives what the whole evaluation gives, without ever holding a score-sized
+tensor; outputs compared piece by piece give the verdict of a whole comparison."""
+
+import pytest
+import torch
+
+import eqfuse
+from eqfuse.examples import ATTENTION_EXAMPLES
+from eqfuse.frontend.capture import capture
+from eqfuse.models import LlamaLayer
+from eqfuse.rewrite import validate
+from eqfuse.runtime.compiled import make_fallback_runner
+
+
+def _rotary_cat_slices(x, y):
+    half = x.shape[-1] // 2
+    z = (x * 2).reshape(3, 4, 2, 8).transpose(1, 2)
+    rot = torch.cat([-z[..., half // 2:], z[..., :half // 2]], dim=-1)
+    return (rot * y.reshape(3, 2, 4, 8)).reshape(6, 32)[1:5, ::3], torch.tril(x + 1)
+
+
+GRAPHS = {
+    **{name: (ATTENTION_EXAMPLES[name].fn, lambda n=name: ATTENTION_EXAMPLES[n].make_inputs(2, 4, 32, 16,
+                                                                                            torch.float32, "cpu"))
+       for name in ("causal_attention", "gqa_attention", "padded_attention", "causal_attention_bias")},
+    "llama_layer": (LlamaLayer(), lambda: (torch.randn(2, 16, 64),)),
+    "views": (_rotary_cat_slices, lambda: (torch.randn(12, 16), torch.randn(12, 16))),
+}
+
+
+class _Recorder:
+    """Counts narrowed evaluations and the largest value any plan node took."""
+
+    def __init__(self, monkeypatch):
+        self.narrowed, self.largest = 0, 0
+        apply, narrow = validate._apply, validate._KernelEvaluator._narrow
+
+        def recording_apply(node, a, shape, device):
+            v = apply(node, a, shape, device)
+            self.largest = max(self.largest, v.numel())
+            return v
+
+        def counting_narrow(ev, *args):
+            self.narrowed += 1
+            return narrow(ev, *args)
+        monkeypatch.setattr(validate, "_apply", recording_apply)
+        monkeypatch.setattr(validate._KernelEvaluator, "_narrow", counting_narrow)
+
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+def test_chunked_evaluation_equals_whole_evaluation(name, monkeypatch):
+    fn, make = GRAPHS[name]
+    torch.manual_seed(0)
+    inputs = tuple(x.to("cpu") for x in make())
+    compiled = eqfuse.compile(fn, inputs)
+    plan = compiled.plan
+    flat = capture(fn, inputs).example_tensors  # the inputs, then the module's weights
+    whole = validate.evaluate(plan, flat, make_fallback_runner)
+    rec = _Recorder(monkeypatch)
+    monkeypatch.setattr(validate, "CHUNK_ELEMENTS", 64)
+    chunked = validate.evaluate(plan, flat, make_fallback_runner)
+    assert rec.narrowed > 0
+    for w, c in zip(whole, chunked):
+        if isinstance(w, torch.Tensor):
+            torch.testing.assert_close(c, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_chunked_attention_never_holds_the_score_matrix(monkeypatch):
+    """Causal attention over 2 x 4 heads x 128 tokens: the scores are 131072 elements;
+    in chunks of 4096 no node's value comes near that."""
+    ex = ATTENTION_EXAMPLES["causal_attention"]
+    q, k, v = ex.make_inputs(2, 4, 128, 64, torch.float32, "cpu")
+    compiled = eqfuse.compile(ex.fn, (q, k, v))
+    assert any(n.op == "expdot" for kern in compiled.plan.kernels for n in kern.walk())
+    rec = _Recorder(monkeypatch)
+    monkeypatch.setattr(validate, "CHUNK_ELEMENTS", 4096)
+    (out,) = validate.evaluate(compiled.plan, [q, k, v], make_fallback_runner)
+    torch.testing.assert_close(out, ex.fn(q, k, v), rtol=1e-4, atol=1e-5)
+    assert rec.largest <= 2 * 4096, rec.largest  # whole, the largest is 2 * 4 * 128 * 128
+
+
+def test_piecewise_comparison_gives_the_whole_verdict(monkeypatch):
+    monkeypatch.setattr(validate, "CHUNK_ELEMENTS", 7)
+    e = torch.randn(6, 5, 4)
+    g = e.transpose(0, 2).contiguous().transpose(0, 2)  # same values, other strides
+    assert validate._first_difference([g], [e]) is None
+    bad = g.clone()
+    bad[5, 4, 3] += 100
+    assert validate._first_difference([bad], [e]).startswith("output 0: relative error")
+    nan = g.clone()
+    nan[3, 1, 2] = float("nan")
+    assert validate._first_difference([nan], [e]) == "output 0: NaN in different places"
+    ints = (e * 10).int()
+    assert validate._first_difference([ints + (ints == ints[2, 2, 2]).int()], [ints]) == "output 0: values differ"
