@@ -46,8 +46,12 @@ class Options:
 
 
 def _signature(tensors) -> tuple:
-    """What a compiled variant is specialised to; computed on every call, so kept cheap."""
-    return tuple([(t.shape, t.dtype, t.stride(), t.device) for t in tensors])
+    """What a compiled variant is specialised to; computed on every call, so kept cheap
+    (a plain loop: a comprehension costs a frame)."""
+    sig = []
+    for t in tensors:
+        sig.append((t.shape, t.dtype, t.stride(), t.device))
+    return tuple(sig)
 
 
 class CompiledGraph:

@@ -30,8 +30,7 @@ ADDRESS_SETS = 4  # recorded per compiled variant; more addresses launch kernel 
 SEEN_LIMIT = 64  # address sets remembered while waiting for a second sighting
 
 
-def _use_count(storage) -> int:
-    return torch._C._storage_Use_Count(storage._cdata)
+_storage_use_count = torch._C._storage_Use_Count
 
 
 @dataclass
@@ -44,13 +43,20 @@ class _Recording:
 
     def seal(self) -> None:
         """Count references now: to be called where nothing but the recording holds its outputs."""
+        self._storage_handles = [s._cdata for s in self.storages]
         self.alone = self.references()
 
     def references(self) -> list:
         """Who holds the outputs: the caller may hold a tensor we returned (its Python
-        references, or C++ ones such as autograd's), or a view of one (its storage's)."""
-        return ([sys.getrefcount(t) for t in self.owned] + [t._use_count() for t in self.owned]
-                + [_use_count(s) for s in self.storages])
+        references, or C++ ones such as autograd's), or a view of one (its storage's).
+        Checked on every replay, so a plain loop (a comprehension costs a frame each)."""
+        counts = []
+        for t in self.owned:
+            counts.append(sys.getrefcount(t))
+            counts.append(t._use_count())
+        for handle in self._storage_handles:
+            counts.append(_storage_use_count(handle))
+        return counts
 
     def free(self) -> bool:
         """No one but this recording holds its outputs' memory: a replay may overwrite it."""

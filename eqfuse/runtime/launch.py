@@ -18,6 +18,11 @@ from triton import knobs
 _RUNTIME_KNOBS = knobs.runtime  # launch hooks a profiler sets: read on every launch, as Triton does
 
 
+def _current_device() -> int:
+    """torch.cuda.current_device() without its lazy-init check (a launch has a GPU set up)."""
+    return torch._C._cuda_getDevice()
+
+
 def _listening(hook) -> bool:
     """Triton 3.6 keeps launch hooks in a HookChain, empty unless a profiler added one."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -71,11 +76,17 @@ class KernelLauncher:
         if self.interpreted:
             self.fn[self.grid](*tensors, **self.constexprs, **self.options)
             return
-        ptrs = [t.data_ptr() for t in tensors]
         # Keyed like Triton's own cache: by the current device (kernels are loaded per device,
-        # and, as with Triton's JIT, eqfuse launches on the current one) and pointer alignment.
-        device = torch.cuda.current_device()
-        key = (device, *[p & 15 == 0 for p in ptrs])
+        # and, as with Triton's JIT, eqfuse launches on the current one) and pointer alignment,
+        # one bit per pointer. A plain loop: this runs on every launch.
+        ptrs = []
+        aligned = 0
+        for t in tensors:
+            p = t.data_ptr()
+            ptrs.append(p)
+            aligned = aligned << 1 | (p & 15 == 0)
+        device = _current_device()
+        key = (device, aligned)
         compiled = self._compiled.get(key)
         if compiled is None:  # through the JIT, which compiles if needed
             kernel = self.fn[self.grid](*tensors, **self.constexprs, **self.options)
