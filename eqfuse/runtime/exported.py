@@ -125,6 +125,9 @@ class _Launch:
         self.values = (ctypes.c_uint64 * n)()
         base = ctypes.addressof(self.values)
         self.pointers = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        # cuLaunchKernel's arguments up to the stream, as the C types it takes, built once.
+        U = ctypes.c_uint
+        self.fixed = (function, *[U(g) for g in self.grid], U(self.block), U(1), U(1), U(self.shared))
 
 
 class ExportedGraph:
@@ -202,8 +205,8 @@ class ExportedGraph:
         bufs.update(self._constants)
         for name, shape, strides, dtype in self._buffers:
             bufs[name] = torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
-        stream = self._stream()
-        launch_kernel, check = self._driver.launch_kernel, self._driver.check
+        stream = ctypes.c_void_p(self._stream())
+        launch_kernel, check = self._driver.launch_prepared, self._driver.check
         for ln in self._launches:
             values = ln.values
             for i, name in enumerate(ln.buffers):
@@ -214,8 +217,7 @@ class ExportedGraph:
                                 device=self.device)
                 scratch.append(s)
                 values[i] = s.data_ptr()
-            result = launch_kernel(ln.function, ln.grid[0], ln.grid[1], ln.grid[2], ln.block, 1, 1, ln.shared,
-                                   stream, ln.pointers, None)
+            result = launch_kernel(*ln.fixed, stream, ln.pointers, None)
             if result:
                 check(result, f"cuLaunchKernel({ln.name})")
         return [self._output(o, bufs) for o in self._outputs]
