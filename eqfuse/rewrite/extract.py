@@ -88,7 +88,9 @@ class Extractor:
                 self._fx_names.setdefault(cid, []).append(name[2:])
         self.best = self._inline_choices()
         self._regions: dict[str, frozenset] = {}
-        self._kernels: dict = {}  # (root, hosted, M within reach) -> (spec, inline, loads)
+        self._kernels: dict = {}  # (root, hosted, M within reach) -> (spec, inline, loads, reads)
+        self._fallbacks: dict | None = None  # the eager steps, the same in every plan
+        self._fallback_reads: dict = {}
 
     # --- 1. types ------------------------------------------------------------------------------
     def _type_of_node(self, n: ENode, types):
@@ -334,7 +336,7 @@ class Extractor:
             kkey = (c, tuple(extra), frozenset(M & region))
             if kkey not in self._kernels:
                 self._kernels[kkey] = self._kernel(c, M, extra)
-            spec, inline, loads = self._kernels[kkey]
+            spec, inline, loads, reads = self._kernels[kkey]
             key = (c, tuple(extra), frozenset(inline), frozenset(loads))
             if key not in memo:
                 try:
@@ -353,10 +355,16 @@ class Extractor:
                 st.reasons[c] = reason
             st.cost += 0 if math.isinf(t) else t
             st.specs[c] = spec
+            st.reads[c] = reads
             st.inline_sets[c] = inline
             for d in loads:
                 st.loaders.setdefault(d, []).append(c)
-        graph = _dependency_graph(st.specs, self._fallback_steps())
+        fallbacks = self._fallback_steps()
+        if fallbacks and not self._fallback_reads:
+            self._fallback_reads = {key: _reads(step) for key, step in fallbacks.items()}
+        # Evaluated a thousand times and more per graph: the reads of each step are computed
+        # once (with its kernel, or here for the eager steps), not walked again.
+        graph = _dependency_graph(st.specs, fallbacks, {**st.reads, **self._fallback_reads})
         st.acyclic = nx.is_directed_acyclic_graph(graph)
         return st
 
@@ -374,9 +382,11 @@ class Extractor:
         return self._regions[c]
 
     def _fallback_steps(self) -> dict:
-        return {f"f{j}": FallbackStep(fb.node, fb.target, _map_refs(fb.args, self), _map_refs(fb.kwargs, self),
-                                      fb.reason, fb.outputs, fb.multi)
-                for j, fb in enumerate(self.tr.fallbacks)}
+        if self._fallbacks is None:
+            self._fallbacks = {f"f{j}": FallbackStep(fb.node, fb.target, _map_refs(fb.args, self),
+                                                     _map_refs(fb.kwargs, self), fb.reason, fb.outputs, fb.multi)
+                               for j, fb in enumerate(self.tr.fallbacks)}
+        return self._fallbacks
 
     def _buffers(self, M) -> dict:
         buffers = {}
@@ -457,7 +467,7 @@ class Extractor:
             names += self.fx_names(c)
         label = (self.fx_names(root) or ["value"])[0]
         spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names)))
-        return spec, inline, loads
+        return spec, inline, loads, _reads(spec)
 
     # --- 4. the plan ---------------------------------------------------------------------------
     def _assemble(self, state, M, host) -> Plan:
@@ -492,9 +502,9 @@ def _load_buffers(spec: KernelSpec) -> set:
     return {n.attrs[0] for n in spec.walk() if n.op == "load"}
 
 
-def _dependency_graph(kernels: dict, fallbacks: dict) -> nx.DiGraph:
+def _dependency_graph(kernels: dict, fallbacks: dict, reads: dict | None = None) -> nx.DiGraph:
     """Steps (kernels and eager fallbacks, by key) with an edge from each buffer's writer
-    to each of its readers."""
+    to each of its readers (``reads``: step key -> the buffers it reads, where known)."""
     g = nx.DiGraph()
     writer: dict[str, str] = {}
     for key, spec in kernels.items():
@@ -506,7 +516,7 @@ def _dependency_graph(kernels: dict, fallbacks: dict) -> nx.DiGraph:
         for name in step.outputs:
             writer[name] = key
     for key, step in {**kernels, **fallbacks}.items():
-        for b in _reads(step):
+        for b in (reads[key] if reads is not None else _reads(step)):
             if b in writer and writer[b] != key:
                 g.add_edge(writer[b], key)
     return g
@@ -519,6 +529,7 @@ class _State:
 
     def __post_init__(self):
         self.invalid, self.reasons, self.specs, self.inline_sets, self.loaders = [], {}, {}, {}, {}
+        self.reads = {}
 
 
 def _map_refs(obj, ex: Extractor):
