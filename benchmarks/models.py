@@ -1,16 +1,19 @@
 """Transformer blocks through torch.compile: eqfuse vs eager vs Inductor, in one run.
 
-    python benchmarks/models.py [--models llama gpt2] [--out results.json]
+    python benchmarks/models.py [--models llama gpt2 bert] [--out results.json]
 
 The blocks are eqfuse.models' plain-PyTorch ones with random weights, fp16: a Llama-style
 decoder layer (RMSNorm, rotary, causal attention written with masked_fill, SwiGLU MLP)
 at batch 8, sequence 2048, hidden 4096, 32 heads, intermediate 11008; a GPT-2 block
-(LayerNorm, SDPA causal attention, gelu MLP) at GPT-2 base size, batch 8, sequence 1024.
-Each runs forward only (no_grad) and forward + backward. Reported per contender: the
-median time of a call (triton.testing.do_bench, interleaved rounds), compile seconds cold
-(the first call, caches empty) and warm (compiled again after torch._dynamo.reset), and
-for eqfuse the kernels and eager steps of the graphs it compiled. eqfuse compiles with
-autotune off (the tile model's first choice) to keep compile time bounded.
+(LayerNorm, SDPA causal attention, gelu MLP) at GPT-2 base size, batch 8, sequence 1024;
+a BERT layer (bidirectional attention with an additive padding mask, post-LayerNorm, erf
+gelu MLP) at BERT-base size, batch 8, sequence 512, the sequences padded after 512, 480,
+... 288 tokens (the mask is a second input, as a model hands it to its layers). Each runs
+forward only (no_grad) and forward + backward. Reported per contender: the median time
+of a call (triton.testing.do_bench, interleaved rounds), compile seconds cold (the first
+call, caches empty) and warm (compiled again after torch._dynamo.reset), and for eqfuse
+the kernels and eager steps of the graphs it compiled. eqfuse compiles with autotune off
+(the tile model's first choice) to keep compile time bounded.
 """
 
 from __future__ import annotations
@@ -28,44 +31,57 @@ import torch  # noqa: E402
 from common import bench_interleaved, save_results  # noqa: E402
 
 import eqfuse.backend  # noqa: E402
-from eqfuse.models import GPT2Block, LlamaLayer  # noqa: E402
+from eqfuse.models import BertLayer, GPT2Block, LlamaLayer, padding_mask  # noqa: E402
 
+
+def hidden_states(*shape):
+    return lambda device, dtype: (torch.randn(*shape, device=device, dtype=dtype),)
+
+
+def bert_inputs(device, dtype, batch=8, seq=512):
+    lengths = seq - 32 * torch.arange(batch, device=device)  # 512, 480, ... 288 tokens
+    return torch.randn(batch, seq, 768, device=device, dtype=dtype), padding_mask(lengths, seq, dtype)
+
+
+# name -> (the model, its inputs from (device, dtype)); the first input is the hidden states
 MODELS = {
-    "llama": (lambda: LlamaLayer(hidden=4096, heads=32, intermediate=11008, max_seq=2048), (8, 2048, 4096)),
-    "gpt2": (lambda: GPT2Block(hidden=768, heads=12), (8, 1024, 768)),
+    "llama": (lambda: LlamaLayer(hidden=4096, heads=32, intermediate=11008, max_seq=2048),
+              hidden_states(8, 2048, 4096)),
+    "gpt2": (lambda: GPT2Block(hidden=768, heads=12), hidden_states(8, 1024, 768)),
+    "bert": (lambda: BertLayer(hidden=768, heads=12, intermediate=3072), bert_inputs),
 }
 
 
 def step(model, training: bool):
     if training:
-        def run(x):
-            out = model(x)
+        def run(*inputs):
+            out = model(*inputs)
             out.float().pow(2).mean().backward()
             return out
         return run
 
-    def infer(x):
+    def infer(*inputs):
         with torch.no_grad():
-            return model(x)
+            return model(*inputs)
     return infer
 
 
-def first_call(fn, x) -> tuple[float, torch.Tensor]:
+def first_call(fn, inputs) -> tuple[float, torch.Tensor]:
     """(seconds until the first result is ready, the result)."""
     t0 = time.perf_counter()
-    out = fn(x)
+    out = fn(*inputs)
     torch.cuda.synchronize()
     return time.perf_counter() - t0, out.detach().float()
 
 
 def measure(name: str, training: bool) -> dict:
-    make, shape = MODELS[name]
+    make, make_inputs = MODELS[name]
     torch.manual_seed(0)
     model = make().to("cuda", torch.float16)
-    x = torch.randn(*shape, device="cuda", dtype=torch.float16, requires_grad=False)
+    inputs = make_inputs("cuda", torch.float16)
     with torch.no_grad():
-        ref = model(x).float()
-    row = {"model": name, "mode": "forward+backward" if training else "forward", "shape": list(shape)}
+        ref = model(*inputs).float()
+    row = {"model": name, "mode": "forward+backward" if training else "forward", "shape": list(inputs[0].shape)}
     fns = {"eager": step(model, training)}
     for contender, backend_kw in (("torch.compile", {}),
                                   ("eqfuse", {"backend": "eqfuse", "options": {"autotune": False}})):
@@ -74,7 +90,7 @@ def measure(name: str, training: bool) -> dict:
             torch._dynamo.reset()
             eqfuse.backend.history.clear()
             fn = step(torch.compile(model, **backend_kw), training)
-            t, out = first_call(fn, x)
+            t, out = first_call(fn, inputs)
             seconds.append(t)
         fns[contender] = fn
         err = (out - ref).abs().max().item()
@@ -85,7 +101,7 @@ def measure(name: str, training: bool) -> dict:
             entry.update(graphs=len(graphs), kernels=sum(len(g.kernels) for g in graphs),
                          eager_steps=[str(f) for g in graphs for f in g.fallbacks])
         row[contender] = entry
-    times = bench_interleaved({n: (lambda f=f: f(x)) for n, f in fns.items()})
+    times = bench_interleaved({n: (lambda f=f: f(*inputs)) for n, f in fns.items()})
     for n, us in times.items():
         row.setdefault(n, {})["us"] = round(us, 1)
     return row

@@ -1,6 +1,8 @@
 """Small transformer blocks written in plain PyTorch, for tests and examples: a
-Llama-style decoder layer (RMSNorm, rotary embedding, causal attention, SwiGLU MLP) and
-a GPT-2 style block. Random weights; no downloads."""
+Llama-style decoder layer (RMSNorm, rotary embedding, causal attention, SwiGLU MLP), a
+GPT-2 style block and a BERT layer (post-LayerNorm, bidirectional attention with an
+additive padding mask). Random weights; no downloads. Default sizes are small, for
+tests; the constructors take the published sizes too."""
 
 from __future__ import annotations
 
@@ -78,3 +80,41 @@ class GPT2Block(nn.Module):
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+def padding_mask(lengths: torch.Tensor, seq: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The additive attention mask of HF's ``get_extended_attention_mask``: [batch, 1, 1, seq],
+    0 on the first ``lengths[b]`` keys of row ``b`` and the dtype's lowest finite value on
+    the padding after them."""
+    keep = torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]
+    return ((1.0 - keep.to(dtype)) * torch.finfo(dtype).min)[:, None, None, :]
+
+
+class BertLayer(nn.Module):
+    """One BERT encoder layer as in BERT-base (``BertLayer(768, 12, 3072)``): bidirectional
+    self-attention, an additive padding mask, residual + LayerNorm after each sublayer
+    (post-LN), a GELU (erf) MLP. ``forward(x, mask=None)``; ``mask`` is [batch, 1, 1, seq]
+    (see ``padding_mask``)."""
+
+    def __init__(self, hidden: int = 64, heads: int = 4, intermediate: int = 128, eps: float = 1e-12):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.ln1 = nn.LayerNorm(hidden, eps=eps)
+        self.fc, self.out = nn.Linear(hidden, intermediate), nn.Linear(intermediate, hidden)
+        self.ln2 = nn.LayerNorm(hidden, eps=eps)
+
+    def attention(self, x, mask):
+        b, s, d = x.shape
+        q, k, v = (t(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+                   for t in (self.query, self.key, self.value))
+        scores = q @ k.transpose(-1, -2) * self.head_dim ** -0.5
+        if mask is not None:
+            scores = scores + mask
+        ctx = torch.softmax(scores, dim=-1) @ v
+        return self.attn_out(ctx.transpose(1, 2).reshape(b, s, d))
+
+    def forward(self, x, mask=None):
+        h = self.ln1(x + self.attention(x, mask))
+        return self.ln2(h + self.out(F.gelu(self.fc(h))))
