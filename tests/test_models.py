@@ -145,38 +145,6 @@ def test_bert_with_expanded_mask_compiles():
 BF16_U = 2.0 ** -8  # bf16's unit roundoff
 
 
-@pytest.fixture
-def bf16_rounding_as_on_gpu(monkeypatch):
-    """Triton 3.6's interpreter casts float32 to bfloat16 by truncating the mantissa; the
-    GPU rounds to nearest even. Truncation always rounds towards zero, so its errors add up
-    instead of cancelling: the compiled model came out 2-6x less accurate than eager bf16,
-    on the CPU only. Until eqfuse/runtime/interpreter_fixes.py corrects the cast, this test
-    rounds as the GPU does; where the cast already rounds, it changes nothing."""
-    if torch.cuda.is_available():
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    from eqfuse.runtime import interpreter_fixes
-    interpreter_fixes.apply()  # first, so that undoing this patch keeps eqfuse's own
-    builder = interpreter.InterpreterBuilder
-    original = builder.cast_impl
-
-    def cast_rounding(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
-            half_up = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))  # ties to even
-            out = ((bits + half_up) >> np.uint32(16)).astype(np.uint16)
-            out = np.where(np.isnan(src.data), np.uint16(0x7FC0), out)
-            return interpreter.TensorHandle(out, tl.bfloat16)
-        return original(self, src, dst_type)
-
-    probe = np.array([1 + 2 ** -8 + 2 ** -12], dtype=np.float32)  # nearest bf16: 1 + 2**-7
-    if int(original(None, interpreter.TensorHandle(probe, tl.float32), tl.bfloat16).data[0]) == 0x3F80:
-        monkeypatch.setattr(builder, "cast_impl", cast_rounding)  # truncated to 1.0
-
-
 def _rel_err(got, ref, floor):
     return ((got.float() - ref).norm() / max(ref.norm().item(), floor)).item()
 
@@ -188,7 +156,7 @@ def _rel_err(got, ref, floor):
         "scores): the whole forward runs in eager"))),
     "bert",
 ])
-def test_block_bf16_within_dtype_tolerance(name, bf16_rounding_as_on_gpu):
+def test_block_bf16_within_dtype_tolerance(name):
     model, inputs = _plain(name, torch.bfloat16)
     fp32 = _plain(name)[0].to(torch.bfloat16).float()  # the same rounded weights, in float32
     fp32_inputs = tuple(t.float() for t in inputs)

@@ -119,3 +119,20 @@ def test_every_autotune_candidate_is_correct(name, rows, cols):
         module = cache.load_module(cache.cache_key(source, DEVICE), source, interpret=DEVICE == "cpu")
         got = module.call(inputs[0].device, [], *inputs)
         assert_matches(got if isinstance(expected, tuple) else got[0], expected)
+
+
+def test_float32_to_bfloat16_rounds_to_nearest_even_as_torch():
+    """The interpreter's cast truncated (interpreter_fixes.py): every float32 -> bfloat16
+    cast in a kernel must give torch's bits, ties and NaN included."""
+    base = torch.randn(256).to(torch.bfloat16).float()
+    ulp_bits = torch.tensor([0x0, 0x7FFF, 0x8000, 0x8001, 0xC000, 0x4000], dtype=torch.int32)
+    x = (base.view(torch.int32)[:, None] + ulp_bits[None, :]).view(torch.float32).flatten()
+    x = torch.cat([x, torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])])
+
+    def fn(x):
+        return (x * 2.0).to(torch.bfloat16)
+    got = eqfuse.compile(fn, (x.to(DEVICE),))(x.to(DEVICE)).cpu()
+    ref = fn(x)
+    assert torch.equal(got.isnan(), ref.isnan())
+    finite = ~ref.isnan()
+    assert torch.equal(got[finite].view(torch.int16), ref[finite].view(torch.int16))

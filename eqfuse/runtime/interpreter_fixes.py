@@ -7,7 +7,11 @@ something the GPU does not, it is corrected here rather than worked around in th
   - ``tl.dot`` multiplies those bits as integers. A bfloat16 operand is widened to float32
     first (exact), which is what the tensor cores compute with;
   - a cast between bfloat16 and anything but float32 converts the bits as a number. Such a
-    cast goes through float32 (exact for bfloat16, and how the GPU rounds).
+    cast goes through float32 (exact for bfloat16, and how the GPU rounds);
+  - a cast from float32 to bfloat16 truncates the mantissa, where the GPU (and torch)
+    round to nearest even. Truncation always errs towards zero, so its errors add up
+    instead of cancelling (bf16 gradients of a BERT layer came out 2-6x less accurate than
+    eager's on the CPU only). The cast rounds here as on the GPU.
 * triton 3.6: a scalar computed with ``tl.minimum`` / ``tl.maximum`` is a one-element array
   that ``range`` cannot take as a bound (attention's loop over the columns a causal mask
   leaves). Such a scalar converts to an index through its one element.
@@ -16,6 +20,15 @@ something the GPU does not, it is corrected here rather than worked around in th
 from __future__ import annotations
 
 _applied = False
+
+
+def _round_to_bfloat16(values):
+    """float32 array -> bfloat16 bits (uint16), rounded to nearest, ties to even; NaN stays NaN."""
+    import numpy as np
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    half_up = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    out = ((bits + half_up) >> np.uint32(16)).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), out)
 
 
 def apply() -> None:
@@ -45,6 +58,8 @@ def apply() -> None:
 
     def cast_impl(self, src, dst_type):
         a, b = src.dtype.scalar, dst_type.scalar
+        if a == f32 and b == tl.bfloat16:
+            return interpreter.TensorHandle(_round_to_bfloat16(src.data), tl.bfloat16)
         if tl.bfloat16 in (a, b) and f32 not in (a, b) and a != b:
             return cast(self, cast(self, src, f32), dst_type)
         return cast(self, src, dst_type)
