@@ -149,13 +149,7 @@ def _rel_err(got, ref, floor):
     return ((got.float() - ref).norm() / max(ref.norm().item(), floor)).item()
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("llama", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "eqfuse's plan check rejects the bf16 forward graph (float32 softmax output, relative "
-        "error 4.25e-04 against a float32 tolerance of 1e-4, although it is computed from bf16 "
-        "scores): the whole forward runs in eager"))),
-    "bert",
-])
+@pytest.mark.parametrize("name", ["llama", "bert"])
 def test_block_bf16_within_dtype_tolerance(name):
     model, inputs = _plain(name, torch.bfloat16)
     fp32 = _plain(name)[0].to(torch.bfloat16).float()  # the same rounded weights, in float32
