@@ -87,3 +87,56 @@ def test_backward_of_split_chunk_and_slices_has_no_eager_step():
     # slice_backward, which capture decomposes into slice_scatter over zeros
     assert any("slice_backward" in str(n.target) for n in backward.fn.graph.nodes), backward.fn.code
     assert backward.fallbacks == [] and forward.fallbacks == [], backward.explain()
+
+
+def test_gpt2_inference_graph_streams_the_fused_attention_op():
+    """Under no_grad AOTAutograd hands over F.scaled_dot_product_attention as the fused op
+    the backend picked (flash for CPU here; cuDNN, flash or efficient on a GPU). Only its
+    output is used, so it becomes the plain computation and one streamed kernel."""
+    from eqfuse.models import GPT2Block
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = GPT2Block()
+    x = torch.randn(2, 16, 64)
+    with torch.no_grad():
+        out, ref = torch.compile(model, backend="eqfuse")(x), model(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    (graph,) = eqfuse.backend.history
+    assert any("scaled_dot_product" in str(n.target) for n in graph.fn.graph.nodes), graph.fn.code
+    assert not graph.fallbacks, graph.explain()
+    assert any(k.schedule.kind == "attention" for k in graph.kernels), graph.explain()
+
+
+def _fused_sdpa_graph(use_lse: bool):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(q, k, v):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
+        return (out * 2, lse) if use_lse else out * 2
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    return make_fx(f)(q, k, v), (q, k, v)
+
+
+def test_fused_attention_op_is_made_plain_only_when_only_its_output_is_used():
+    from eqfuse.frontend.capture import plain_fused_attention
+
+    def fused(gm):
+        return [n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    gm, inputs = _fused_sdpa_graph(use_lse=False)
+    plain = plain_fused_attention(gm)
+    assert fused(gm) and not fused(plain)  # the original graph is left as it was
+    torch.testing.assert_close(plain(*inputs), gm(*inputs), rtol=1e-5, atol=1e-6)
+    gm, _ = _fused_sdpa_graph(use_lse=True)
+    assert fused(plain_fused_attention(gm))  # the log-sum-exp is used: the op stays
+
+
+def test_plain_attention_keeps_the_fused_ops_layout():
+    """flash writes [B, H, S, D] as [B, S, H, D] in memory; the graph may view through it."""
+    from eqfuse.frontend.capture import _sdpa_output
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    strides = torch.empty(2, 8, 3, 4).transpose(1, 2).stride()
+    out = _sdpa_output(q, k, v, is_causal=True, strides=strides)
+    assert out.stride() == strides
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    out.transpose(1, 2).view(2, 8, 12)  # a view only that layout allows

@@ -140,3 +140,42 @@ def test_slice_scatter_with_a_step_runs_in_eager_with_the_reason():
     compiled = eqfuse.compile(f, (base, src))
     assert [fb.reason for fb in compiled.fallbacks] == ["slice_scatter with step 2 (only step 1 is a concatenation)"]
     assert_matches(compiled(base, src), f(base, src))
+
+
+# An eager op that records the strides of its argument and lays its result out
+# transposed in memory (as flash attention writes [B, H, S, D] as [B, S, H, D]).
+STRIDES_SEEN = []
+
+
+def _transposed_layout(x):
+    return torch.empty(x.shape[::-1], dtype=x.dtype, device=x.device).t()
+
+
+@torch.library.custom_op("eqfuse_test::layout_sensitive", mutates_args=())
+def layout_sensitive(x: torch.Tensor) -> torch.Tensor:
+    STRIDES_SEEN.append(x.stride())
+    return _transposed_layout(x).copy_(x * 2)
+
+
+@layout_sensitive.register_fake
+def _(x):
+    return _transposed_layout(x)
+
+
+def test_eager_step_sees_eager_layouts():
+    """An eager step gets its arguments in eager's memory layout (a kernel writes them
+    contiguous; cuDNN's attention backward is wrong without it), and its results keep
+    eager's layout, for kernels reading them and for the graph's outputs."""
+    def f(x):
+        y = layout_sensitive((x + 1).t())
+        return y, y * 3
+
+    x = torch.randn(5, 12)
+    STRIDES_SEEN.clear()
+    ref = f(x)
+    compiled = eqfuse.compile(f, (x,))
+    assert [fb.node for fb in compiled.fallbacks] == ["layout_sensitive"]
+    got = compiled(x)
+    assert STRIDES_SEEN[-1] == STRIDES_SEEN[0] == (1, 12)
+    assert got[0].stride() == ref[0].stride() == (1, 12)
+    assert_matches(got, ref)

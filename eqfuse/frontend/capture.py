@@ -68,6 +68,65 @@ def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
     return torch.softmax(s, dim=-1) @ v
 
 
+def _fused_sdpa_ops() -> dict:
+    """The fused attention ops a backend picks, each with the name of its mask argument."""
+    aten = torch.ops.aten
+    ops = {"_scaled_dot_product_flash_attention": None, "_scaled_dot_product_efficient_attention": "attn_bias",
+           "_scaled_dot_product_cudnn_attention": "attn_bias",
+           "_scaled_dot_product_flash_attention_for_cpu": "attn_mask"}
+    return {getattr(aten, name).default: mask for name, mask in ops.items() if hasattr(aten, name)}
+
+
+def _sdpa_output(q, k, v, attn_mask=None, is_causal=False, scale=None, strides=None):
+    """A fused attention op's output, computed as ``_sdpa_math`` and laid out with the
+    fused op's strides (flash writes ``[B, H, S, D]`` as ``[B, S, H, D]`` in memory; the
+    graph around it may view it through that layout)."""
+    out = _sdpa_math(q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa=True)
+    if strides is None or tuple(strides) == tuple(out.stride()):
+        return out
+    order = sorted(range(out.dim()), key=lambda d: -strides[d])  # outermost first
+    inverse = sorted(range(out.dim()), key=lambda d: order[d])
+    return out.permute(order).contiguous().permute(inverse)
+
+
+def plain_fused_attention(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` where each fused attention op (flash, memory-efficient, cuDNN)
+    whose only result used is the attention output, and which has no dropout, is the
+    plain computation ``_sdpa_math`` instead, which the attention rules stream into one
+    kernel. AOTAutograd's inference graphs call them so; a training graph saves the
+    log-sum-exp for the backward, and its op stays as it is. ``gm`` itself is unchanged."""
+    import copy
+    import operator
+
+    from torch.fx.operator_schemas import normalize_function
+
+    fused = _fused_sdpa_ops()
+    targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in fused]
+    if not targets:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in fused]:
+        users = list(node.users)
+        if not all(u.target is operator.getitem and (u.args[1] == 0 or not u.users) for u in users):
+            continue
+        kw = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+        if kw.get("dropout_p"):
+            continue
+        meta = node.meta.get("val")
+        strides = tuple(meta[0].stride()) if isinstance(meta, (list, tuple)) else None
+        mask = fused[node.target]
+        with graph.inserting_before(node):
+            plain = graph.call_function(_sdpa_output, (kw["query"], kw["key"], kw["value"]), {
+                "attn_mask": kw.get(mask) if mask else None, "is_causal": kw.get("is_causal", False),
+                "scale": kw.get("scale"), "strides": strides})
+        for u in users:
+            if u.args[1] == 0:
+                u.replace_all_uses_with(plain)
+            graph.erase_node(u)
+        graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph)
+
+
 @dataclass
 class CapturedGraph:
     gm: torch.fx.GraphModule
@@ -99,9 +158,11 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
                                "(bind other arguments with functools.partial)")
     out_spec_box = []
 
+    traced = plain_fused_attention(fn) if isinstance(fn, torch.fx.GraphModule) else fn
+
     def flat_fn(*args):
         with PlainAttention():
-            out = fn(*args)
+            out = traced(*args)
         leaves, spec = pytree.tree_flatten(out)
         out_spec_box.append(spec)
         return leaves
