@@ -1,6 +1,6 @@
 """Matrix products: eqfuse vs eager (cuBLAS) vs torch.compile, side by side in one run.
 
-    python benchmarks/matmul.py [--out results.json] [--quick]
+    python benchmarks/matmul.py [--out results.json] [--quick] [--only NAME,...] [--merge earlier.json]
 
 Times are medians of ``triton.testing.do_bench`` (L2 flushed before each call), taken in
 rounds that interleave the contenders (a GPU's clock drifts with its temperature over a
@@ -9,6 +9,11 @@ rounds. TFLOP/s counts 2*M*N*K per product. For the fused cases the time of cuBL
 reported too: the target is the fused kernel within 5% of it. The autotuner's trials
 (tile configurations it timed) are saved with their modelled times, so that the tile
 model's ranking can be checked against the GPU (Spearman rank correlation per kernel).
+The autotuner times as this benchmark does (interleaved rounds, after the GPU's clocks
+settle under load: an H100 at its power cap runs large matmuls well below its boost
+clock), so ``autotuned_us`` (its figure for the chosen configuration) and ``eqfuse_us``
+should agree for single-kernel workloads. A configuration with ``PROGRAMS`` is the
+persistent TMA form (eqfuse/codegen/tma.py).
 """
 
 from __future__ import annotations
@@ -69,6 +74,18 @@ def workloads(quick: bool):
     return out
 
 
+def autotuned_us(start: int, compiled) -> list:
+    """Per kernel, what the autotuner measured for the configuration it chose (None if cached)."""
+    chosen = {k.name: {key: v for key, v in (k.constexprs | k.launch).items() if key not in ("M", "N", "K")}
+              for k in compiled.kernels}
+    out = []
+    for k in compiled.kernels:
+        times = [round(us, 1) for name, _, cfg, us in autotune.trials[start:]
+                 if name == k.name and cfg == chosen[k.name]]
+        out.append(times[-1] if times else None)
+    return out
+
+
 def tile_model_check(start: int) -> list[dict]:
     """Per tuned matmul kernel: modelled vs measured time of each trial, and their rank correlation."""
     by_kernel: dict = {}
@@ -81,10 +98,21 @@ def tile_model_check(start: int) -> list[dict]:
             for name, rows in by_kernel.items()]
 
 
+def merged(path: str, rows: list, order: list) -> list:
+    """``rows`` with the other workloads of an earlier results file, in the suite's order."""
+    import json
+    with open(path) as f:
+        earlier = {r["workload"]: r for r in json.load(f)["results"]}
+    earlier.update({r["workload"]: r for r in rows})
+    return [earlier[name] for name in order if name in earlier]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default=None, help="comma-separated substrings of workload names to run")
+    p.add_argument("--merge", default=None, help="a results file whose other workloads are kept, in order")
     args = p.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     torch.manual_seed(0)
@@ -92,6 +120,8 @@ def main(argv=None):
     print(device, flush=True)
     rows = []
     for name, fn, makers, flops, core, tf32 in workloads(args.quick):
+        if args.only and not any(part in name for part in args.only.split(",")):
+            continue
         torch.backends.cuda.matmul.allow_tf32 = tf32
         inputs = [make() for make in makers]
         dtype = inputs[0].dtype
@@ -122,6 +152,7 @@ def main(argv=None):
                "eqfuse_over_cublas_matmul_alone": round(t_eq / t_core, 3) if t_core else None,
                "kernels": len(compiled.kernels), "fallbacks": len(compiled.fallbacks),
                "configs": [k.constexprs | k.launch for k in compiled.kernels],
+               "autotuned_us": autotuned_us(start, compiled),
                "max_rel_err": err, "matches_eager": ok, "eqfuse_compile_s": round(eq_compile_s, 2),
                "torch_compile_compile_s": round(ind_compile_s, 2), "tile_model": tile_model_check(start)}
         rows.append(row)
@@ -130,6 +161,8 @@ def main(argv=None):
               f"eqfuse {t_eq:8.1f} ({tf(t_eq):5.1f}){core_txt} kernels={len(compiled.kernels)} ok={ok} "
               f"compile {eq_compile_s:.1f}s", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.merge:
+        rows = merged(args.merge, rows, [w[0] for w in workloads(args.quick)])
     save_results(args.out, rows, quick=args.quick)
     return 0 if all(r["matches_eager"] for r in rows) else 1
 

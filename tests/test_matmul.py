@@ -178,3 +178,171 @@ def test_a_chosen_tile_configuration_is_used_and_agrees():
     assert_matches(out, ex.fn(*inputs), contraction=True)
     _, infos = generate_module(compiled.plan, "tiles", "test", {k.name: {**cfg, "BLOCK_M": 24}})
     assert infos[0].constexprs["BLOCK_M"] != 24
+
+
+# --- the TMA form (codegen/tma.py): which matmuls get it, and that it computes the same ---
+
+TMA_CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 3, "PROGRAMS": 3}
+
+
+def _kernel(fn, inputs):
+    compiled = eqfuse.compile(fn, inputs)
+    return compiled, compiled.kernels[0]
+
+
+def _mm(a, b):
+    return a @ b
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("fp16 row-major", True),
+    ("bf16 x @ w.T", True),
+    ("fp32 K=8 (32-byte rows)", True),
+    ("fp16 K=17 (34-byte rows)", False),
+    ("fp32 K=6 (24-byte rows)", False),
+    ("fp16 column-major A", True),
+    ("3-D input of a linear", True),
+    ("batched", False),
+    ("prologue on A", False),
+    ("sliced A (offset of 2 elements)", False),
+    ("sliced A (offset of 8 elements)", True),
+])
+def test_which_matmuls_can_take_the_tma_form(case, expected):
+    """TMA takes a plain read whose tile is a 2-D box with a contiguous dim, its other
+    stride and its offset multiples of 16 bytes; nothing batched, nothing computed."""
+    h, bf, f = torch.float16, torch.bfloat16, torch.float32
+    cases = {
+        "fp16 row-major": (_mm, (torch.randn(40, 64, dtype=h), torch.randn(64, 48, dtype=h))),
+        "bf16 x @ w.T": (lambda x, w: x @ w.T, (torch.randn(40, 64, dtype=bf), torch.randn(48, 64, dtype=bf))),
+        "fp32 K=8 (32-byte rows)": (_mm, (torch.randn(40, 8, dtype=f), torch.randn(8, 48, dtype=f))),
+        "fp16 K=17 (34-byte rows)": (_mm, (torch.randn(40, 17, dtype=h), torch.randn(17, 48, dtype=h))),
+        "fp32 K=6 (24-byte rows)": (_mm, (torch.randn(40, 6, dtype=f), torch.randn(6, 48, dtype=f))),
+        "fp16 column-major A": (_mm, (torch.randn(64, 40, dtype=h).t(), torch.randn(64, 48, dtype=h))),
+        "3-D input of a linear": (lambda x, w: F.linear(x, w), (torch.randn(2, 20, 64, dtype=h),
+                                                               torch.randn(48, 64, dtype=h))),
+        "batched": (_mm, (torch.randn(2, 40, 64, dtype=h), torch.randn(2, 64, 48, dtype=h))),
+        "prologue on A": (lambda a, b: (a * 2 + 1) @ b, (torch.randn(40, 64, dtype=h), torch.randn(64, 48, dtype=h))),
+        "sliced A (offset of 2 elements)": (lambda a, b: a[:, 2:] @ b, (torch.randn(40, 66, dtype=h),
+                                                                        torch.randn(64, 48, dtype=h))),
+        "sliced A (offset of 8 elements)": (lambda a, b: a[:, 8:] @ b, (torch.randn(40, 72, dtype=h),
+                                                                        torch.randn(64, 48, dtype=h))),
+    }
+    fn, inputs = cases[case]
+    _, k = _kernel(fn, inputs)
+    assert k.schedule.kind == "matmul"
+    assert k.schedule.tma is expected, k.source
+
+
+def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(monkeypatch):
+    from eqfuse.codegen import kernel as kgen
+    from eqfuse.codegen import tiles, tma
+    _, k = _kernel(_mm, (torch.randn(512, 256, dtype=torch.float16), torch.randn(256, 384, dtype=torch.float16)))
+    h = torch.float16
+    _, batched = _kernel(_mm, (torch.randn(2, 64, 64, dtype=h), torch.randn(2, 64, 64, dtype=h)))
+    monkeypatch.setattr(tma, "device_supports", lambda: False)
+    assert not any("PROGRAMS" in c for c in tiles.candidates(k.schedule))
+    monkeypatch.setattr(tma, "device_supports", lambda: True)
+    monkeypatch.setattr(tma, "sm_count", lambda: 132)
+    cands = tiles.candidates(k.schedule)
+    tma_cands = [c for c in cands if "PROGRAMS" in c]
+    assert tma_cands and len(tma_cands) < len(cands)  # both forms
+    # each tile shape in both forms, the TMA one ranked just ahead (its epilogue overlaps the next loads)
+    for c in tma_cands:
+        plain = {key: v for key, v in c.items() if key != "PROGRAMS"}
+        assert plain in cands
+        assert tiles.modelled_time_us(k.schedule, c) < tiles.modelled_time_us(k.schedule, plain)
+        tiles_count = -(-512 // c["BLOCK_M"]) * -(-384 // c["BLOCK_N"])
+        assert c["PROGRAMS"] == min(132, tiles_count)
+    assert any("PROGRAMS" in c for c in kgen.tuning_candidates(k.schedule))
+    assert not any("PROGRAMS" in c for c in tiles.candidates(batched.schedule))
+    # A cached or user config in the TMA form is refused for a matmul that cannot take it
+    assert kgen.fits(k.schedule, TMA_CFG) and not kgen.fits(batched.schedule, TMA_CFG)
+    assert not kgen.fits(k.schedule, {**TMA_CFG, "PROGRAMS": 0})
+
+
+def _tma_module(compiled, kernel_name, cfg=TMA_CFG):
+    from eqfuse.codegen.module import generate_module
+    from eqfuse.runtime.cache import cache_key, load_module
+    source, infos = generate_module(compiled.plan, "tma", "test", {kernel_name: cfg})
+    return load_module(cache_key(source), source, interpret=DEVICE == "cpu"), source, infos
+
+
+@pytest.mark.parametrize("name,size", [("linear_gelu", (70, 48, 40)), ("linear_residual", (33, 64, 48)),
+                                       ("swiglu_mlp", (40, 64, 32)), ("matmul", (64, 32, 24))])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tma_form_matches_eager(name, size, dtype):
+    """The persistent TMA form, forced with a config on any device (the interpreter runs
+    descriptors too): ragged tiles (zeros past the edges), transposed weights, two
+    products in one loop, an epilogue, stores through descriptors."""
+    ex = MATMUL_EXAMPLES[name]
+    torch.manual_seed(0)
+    inputs = ex.make_inputs(*size, dtype, DEVICE)
+    compiled = eqfuse.compile(ex.fn, inputs)
+    first = compiled.kernels[0]
+    assert first.schedule.tma, first.source
+    module, source, infos = _tma_module(compiled, first.name)
+    info = next(i for i in infos if i.name == first.name)
+    assert info.grid == (3, 1) and info.fallback is not None
+    kernel_src = info.source
+    assert "tl.make_tensor_descriptor" in kernel_src and "flatten=True" in kernel_src
+    assert ".store([pid_m * BLOCK_M" in kernel_src  # the output tile through a descriptor
+    assert "tl.load(" not in kernel_src.split("for k0")[1].split("\n        v")[0]  # no pointer loads in the K loop
+    (out,) = module.call(inputs[0].device, [], *inputs)
+    assert_matches(out, ex.fn(*inputs), contraction=True)
+
+
+def test_tma_kernel_runs_its_pointer_twin_for_an_unaligned_input():
+    """TMA wants 16-byte aligned addresses; an input that starts elsewhere (a view one
+    element in) is computed by the same tiles without TMA, and right."""
+    ex = MATMUL_EXAMPLES["linear_gelu"]
+    x, w, b = ex.make_inputs(64, 48, 40, torch.float16, DEVICE)
+    compiled = eqfuse.compile(ex.fn, (x, w, b))
+    module, _, _ = _tma_module(compiled, compiled.kernels[0].name)
+    launcher = getattr(module, f"{compiled.kernels[0].name}_launch")
+    calls = []
+    twin = launcher.otherwise
+    launcher.otherwise = lambda *t: (calls.append(1), twin(*t))
+    (aligned_out,) = module.call(x.device, [], x, w, b)
+    assert calls == []
+    storage = torch.empty(x.numel() + 1, dtype=x.dtype)
+    shifted = storage[1:].view_as(x)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16
+    (out,) = module.call(x.device, [], shifted, w, b)
+    assert calls == [1]
+    assert torch.equal(out, aligned_out)
+    assert_matches(out, ex.fn(x, w, b), contraction=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_tma_form_on_the_gpu(dtype):
+    """On a Hopper GPU: the TMA kernel compiled, launched through its C launcher with its
+    descriptor scratch (first call through the JIT, later ones direct), replayed from a
+    CUDA graph, and its pointer twin for an unaligned input."""
+    from eqfuse.codegen import tma
+    if not tma.device_supports():
+        pytest.skip("TMA needs compute capability 9.0")
+    ex = MATMUL_EXAMPLES["linear_gelu"]
+    torch.manual_seed(0)
+    x, w, b = ex.make_inputs(1000, 384, 256, dtype, DEVICE)
+    compiled = eqfuse.compile(ex.fn, (x, w, b))
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+           "PROGRAMS": 7}
+    module, _, _ = _tma_module(compiled, compiled.kernels[0].name, cfg)
+    ref = ex.fn(x, w, b)
+    for _ in range(3):
+        (out,) = module.call(x.device, [], x, w, b)
+        assert_matches(out, ref, contraction=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (captured,) = module.call(x.device, [], x, w, b)
+    x.copy_(x * 0.5)
+    graph.replay()
+    assert_matches(captured, ex.fn(x, w, b), contraction=True)
+    shifted = torch.empty(x.numel() + 1, dtype=dtype)[1:].view_as(x)
+    shifted.copy_(x)
+    (out,) = module.call(x.device, [], shifted, w, b)
+    assert_matches(out, ex.fn(x, w, b), contraction=True)
+    # And the autotuner, offered both forms, picks a runnable one that agrees
+    assert_matches(compiled(x, w, b), ex.fn(x, w, b), contraction=True)

@@ -12,7 +12,11 @@ Four schedules (the fourth, attention, is written by codegen/attention.py):
   neighbouring programs share operand tiles in L2), one loop over K in ``BLOCK_K`` steps
   that feeds every product of the kernel (``tl.dot``, float32 accumulators). Operands are
   computed inside the loop as their tiles are loaded (prologue); the rest of the kernel
-  is computed on the accumulators (epilogue). Batch dims are the grid's second axis;
+  is computed on the accumulators (epilogue). Batch dims are the grid's second axis.
+  On Hopper and later, where both operands are plain reads a TMA descriptor can describe
+  (codegen/tma.py), a second form is offered: persistent programs (``PROGRAMS`` in the
+  config), operand tiles fetched by TMA, output tiles stored by TMA where their layout
+  allows; the tile model and the autotuner choose between the two;
 * attention: softmax products (``ExpDot``/``ExpSum``) streamed over the keys with a
   running max, one program per block of query rows.
 
@@ -23,12 +27,12 @@ casts them and when they are stored.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
-from . import tiles
+from . import tiles, tma
 from .indexing import (
     Env,
     Idx,
@@ -46,6 +50,7 @@ PERSISTENT_MAX = 16384  # widest row kept whole in registers
 LOOP_BLOCK = 2048
 LAUNCH_OPTIONS = ("num_warps", "num_stages")  # config keys passed at launch, not as constexprs
 MATMUL_FINALISTS = 6  # tile configurations the GPU autotuner times, best modelled first
+MATMUL_FINALISTS_TMA = 8  # the same where each tile shape comes in two forms
 
 
 def next_pow2(n: int) -> int:
@@ -68,6 +73,7 @@ class Schedule:
     dots: int = 0
     d: int = 0  # attention: [*batch, M, N] scores, values [*batch, N, D]; k is q's head dim
     band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
+    tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
 
     @property
     def sizes(self) -> dict:
@@ -104,6 +110,8 @@ class Schedule:
             return (-(-self.rows // cfg["BLOCK_R"]),)
         if self.kind == "attention":
             return (-(-self.m // cfg["BLOCK_M"]), math.prod(self.batch))
+        if "PROGRAMS" in cfg:  # persistent: each program walks tiles PROGRAMS apart
+            return (cfg["PROGRAMS"], 1)
         programs = -(-self.m // cfg["BLOCK_M"]) * -(-self.n // cfg["BLOCK_N"])
         return (programs, math.prod(self.batch))
 
@@ -127,7 +135,39 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
     batch = tuple(shape[:-2])
     if math.prod(batch) > MAX_GRID_Y:
         raise Unschedulable(f"a batch of {math.prod(batch)} matmuls (the grid takes {MAX_GRID_Y})")
-    return Schedule("matmul", batch=batch, m=shape[-2], n=shape[-1], k=k, dot_dtype=dtype, dots=len(dots))
+    sched = Schedule("matmul", batch=batch, m=shape[-2], n=shape[-1], k=k, dot_dtype=dtype, dots=len(dots))
+    return replace(sched, tma=not batch and all(operand_box(d.args[i], env, atoms) is not None
+                                                for d in dots for i, env, atoms in _operand_sides(sched)))
+
+
+def matmul_envs(s: Schedule) -> tuple:
+    """Environments of the output tile and of the two operand tiles."""
+    b = (Idx("bindex", frozenset("b")), math.prod(s.batch))
+    m, n = (Idx("mindex", frozenset("m")), s.m), (Idx("nindex", frozenset("n")), s.n)
+    ka, kb = (Idx("kindex_a", frozenset("k")), s.k), (Idx("kindex_b", frozenset("j")), s.k)
+    return (env_of([b, m, n], s.batch + (s.m, s.n)),
+            env_of([b, m, ka], s.batch + (s.m, s.k)),
+            env_of([b, kb, n], s.batch + (s.k, s.n)))
+
+
+def _operand_sides(s: Schedule) -> tuple:
+    """(operand position, its tile's environment, (row index, K index)) for A and B."""
+    _, a_env, b_env = matmul_envs(s)
+    return ((0, a_env, ("mindex", "kindex_a")), (1, b_env, ("nindex", "kindex_b")))
+
+
+def operand_box(node: PNode, env: Env, atoms: tuple) -> tma.Box | None:
+    """The descriptor box of a matmul operand read as stored (through index maps only),
+    or None where TMA cannot fetch its tile (a prologue, a batch, strides or an offset
+    TMA does not take)."""
+    base, benv = node, env
+    while base.op in ("broadcast", "reshape", "permute"):
+        base, benv = base.args[0], KernelWriter.operand_env(base, benv)
+    if base.op != "load" or base.dtype not in ("float16", "bfloat16", "float32"):
+        return None
+    buf, strides, offset = base.attrs
+    affine = tma.atom_strides(benv, strides, base.shape)
+    return tma.box(buf, ops.itemsize(base.dtype), offset, affine, *atoms)
 
 
 def schedule_of(spec: KernelSpec) -> Schedule:
@@ -179,6 +219,11 @@ class KernelWriter:
         self.uneven: dict[str, str] = {}  # axis -> the name of its mask, where blocks overhang
         big = any(self.buffers[b].numel >= 2**31 for b in self._buffer_names())
         self.index_dtype_cast = ".to(tl.int64)" if big else ""
+        # The TMA form (matmul with PROGRAMS in its config): descriptors by box, the lines
+        # that make them (once per program, before the loop over tiles), the buffers they read.
+        self.descriptors: dict | None = None
+        self.descriptor_lines: list[str] = []
+        self.tma_params: set[str] = set()
 
     # --- small helpers -----------------------------------------------------------------------
     def _buffer_names(self):
@@ -222,14 +267,7 @@ class KernelWriter:
         return full, row
 
     def matmul_envs(self):
-        """Environments of the output tile and of the two operand tiles."""
-        s = self.s
-        b = (Idx("bindex", frozenset("b")), math.prod(s.batch))
-        m, n = (Idx("mindex", frozenset("m")), s.m), (Idx("nindex", frozenset("n")), s.n)
-        ka, kb = (Idx("kindex_a", frozenset("k")), s.k), (Idx("kindex_b", frozenset("j")), s.k)
-        return (env_of([b, m, n], s.batch + (s.m, s.n)),
-                env_of([b, m, ka], s.batch + (s.m, s.k)),
-                env_of([b, kb, n], s.batch + (s.k, s.n)))
+        return matmul_envs(self.s)
 
     def root_env(self, root: PNode) -> Env:
         if self.s.kind == "pointwise":
@@ -400,6 +438,10 @@ class KernelWriter:
         key = ("operand", id(node), env_key(env))
         if key in self.memo_loop:
             return self.memo_loop[key].expr
+        if self.descriptors is not None:
+            out = self.assign(self.descriptor_load(node, env, axes), frozenset(axes), "a" if "m" in axes else "b")
+            self.memo_loop[key] = out
+            return out.expr
         v = self._emit_load(base, benv, upcast=False) if raw else self.emit(node, env)
         expr = v.expr
         kaxis = next(a for a in axes if a in "kjef")  # the contracted one
@@ -414,6 +456,53 @@ class KernelWriter:
         out = v if expr == v.expr else self.assign(expr, frozenset(axes), "a" if "m" in axes else "b")
         self.memo_loop[key] = out
         return out.expr
+
+    def descriptor(self, b: tma.Box, block: tuple) -> str:
+        """The name of the descriptor of box ``b`` with tile ``block`` (made once per program)."""
+        key = (b, block)
+        if key not in self.descriptors:
+            name = self.descriptors[key] = f"desc{len(self.descriptors) + 1}"
+            base = f"{b.buf} + {b.offset}" if b.offset else b.buf
+            self.descriptor_lines.append(
+                f"{name} = tl.make_tensor_descriptor({base}, shape=[{b.shape[0]}, {b.shape[1]}], "
+                f"strides=[{b.stride}, 1], block_shape=[{block[0]}, {block[1]}])")
+            self.tma_params.add(b.buf)
+        return self.descriptors[key]
+
+    def descriptor_load(self, node, env, axes) -> str:
+        """An operand tile fetched by TMA: ``[BLOCK_M, BLOCK_K]`` of A or ``[BLOCK_K, BLOCK_N]``
+        of B, read as its buffer lies and transposed (a view) where K is not contiguous
+        in it. Past the buffer's edges TMA reads zeros, so no mask."""
+        row = "m" if "m" in axes else "n"
+        atoms = ("mindex", "kindex_a") if row == "m" else ("nindex", "kindex_b")
+        b = operand_box(node, env, atoms)
+        if b.buf not in self.params:
+            self.params.append(b.buf)
+        rblock, start = ("BLOCK_M", "pid_m * BLOCK_M") if row == "m" else ("BLOCK_N", "pid_n * BLOCK_N")
+        k_inner = b.inner == atoms[1]
+        block = (rblock, "BLOCK_K") if k_inner else ("BLOCK_K", rblock)
+        name = self.descriptor(b, block)
+        coords = f"[{start}, k0]" if k_inner else f"[k0, {start}]"
+        # A wants [rows, K] and B [K, cols]: A read K-contiguous and B read N-contiguous are as stored
+        as_stored = k_inner == (row == "m")
+        return f"{name}.load({coords})" + ("" if as_stored else ".T")
+
+    def descriptor_store(self, expr: str, buf: str, env: Env, shape) -> bool:
+        """Store an output tile through a descriptor, in two halves along N (half the shared
+        memory staging buffer), if its layout allows: lines written, True; else False."""
+        item = ops.itemsize(self.buffers[buf].dtype)
+        affine = tma.atom_strides(env, self.buffers[buf].layout, shape)
+        b = tma.box(buf, item, 0, affine, "mindex", "nindex")
+        if b is None or b.inner != "nindex":
+            return False
+        name = self.descriptor(b, ("BLOCK_M", "BLOCK_N // 2"))
+        out = self.fresh("out")
+        self.lines.append(f"{out} = ({expr}).to({buf}.dtype.element_ty)")
+        self.lines.append(f"{out}_lo, {out}_hi = tl.split(tl.permute(tl.reshape({out}, "
+                          f"(BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))")
+        self.lines.append(f"{name}.store([pid_m * BLOCK_M, pid_n * BLOCK_N], {out}_lo)")
+        self.lines.append(f"{name}.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], {out}_hi)")
+        return True
 
     def _emit_reduce(self, node, env):
         if self.s.kind != "reduction":
@@ -456,7 +545,9 @@ class KernelWriter:
         body = self.loop
         self.loop = None
         self.memo_loop = {}
-        if self.s.kind == "matmul":
+        if self.s.kind == "matmul" and self.descriptors is not None:
+            head = ["for k0 in range(0, K, BLOCK_K):"]  # TMA: tiles by coordinates, zeros past K
+        elif self.s.kind == "matmul":
             head = ["for k0 in range(0, K, BLOCK_K):",
                     "    kindex_a = k0 + tl.arange(0, BLOCK_K)[None, :]",
                     "    kindex_b = k0 + tl.arange(0, BLOCK_K)[:, None]"]
@@ -488,6 +579,8 @@ class KernelWriter:
             expr = f"tl.where(tl.full({block[want]}, 1, tl.int1), {expr}, {expr})"
         if buf not in self.params:
             self.params.append(buf)
+        if self.descriptors is not None and want == "mn" and self.descriptor_store(expr, buf, env, root.shape):
+            return
         m = self.mask(axes)
         ptr = f"{buf} + {lin.expr}" if lin.expr != "0" else buf
         text = f"tl.store({ptr}, ({expr}).to({buf}.dtype.element_ty)" + (f", mask={m})" if m else ")")
@@ -512,10 +605,19 @@ class KernelWriter:
             for root, buf in self.spec.roots:
                 self.store(root, buf, self.root_env(root))
         elif s.kind == "matmul":
-            head += self.matmul_head(cfg)
+            persistent = "PROGRAMS" in cfg
+            if persistent:
+                self.descriptors = {}
+            tile = self.matmul_head(cfg)
             self.emit_dots()
             for root, buf in self.spec.roots:
                 self.store(root, buf, self.root_env(root))
+            if persistent:
+                head += self.descriptor_lines + tile[:2]
+                head.append("for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):")
+                self.lines = ["    " + line for line in tile[2:] + self.lines]
+            else:
+                head += tile
         else:
             if s.rows % cfg["BLOCK_R"]:
                 self.uneven["r"] = "rmask"
@@ -552,17 +654,19 @@ class KernelWriter:
         return "\n".join(out) + "\n"
 
     def matmul_head(self, cfg: dict) -> list[str]:
-        """Program -> output tile, in groups of GROUP_M tile-rows: programs that run together
-        read the same operand tiles, which then come from L2."""
+        """Program (or, persistent, tile number) -> output tile, in groups of GROUP_M
+        tile-rows: tiles computed together read the same operand tiles, which then come
+        from L2. The first two lines (tile counts) are outside a persistent loop."""
         s = self.s
         for axis, size, blk, name in (("m", s.m, "BLOCK_M", "mmask"), ("n", s.n, "BLOCK_N", "nmask"),
                                       ("k", s.k, "BLOCK_K", "kmask_a"), ("j", s.k, "BLOCK_K", "kmask_b")):
             if size % cfg[blk]:
                 self.uneven[axis] = name
         cast = self.index_dtype_cast
-        head = ["pid = tl.program_id(0)",
-                "tiles_m = tl.cdiv(M, BLOCK_M)",
+        pid = "tile" if "PROGRAMS" in cfg else "tl.program_id(0)"
+        head = ["tiles_m = tl.cdiv(M, BLOCK_M)",
                 "tiles_n = tl.cdiv(N, BLOCK_N)",
+                f"pid = {pid}",
                 "group = pid // (GROUP_M * tiles_n)",
                 "group_rows = tl.minimum(tiles_m - group * GROUP_M, GROUP_M)",
                 "pid_m = group * GROUP_M + (pid % (GROUP_M * tiles_n)) % group_rows",
@@ -639,7 +743,7 @@ def fits(sched: Schedule, cfg: dict) -> bool:
     """Whether a configuration is one this schedule can run with (a tuned config read back
     from a cache is checked, never trusted)."""
     if sched.kind == "matmul":
-        return tiles.runnable(cfg)
+        return tiles.runnable(cfg, sched)
     if sched.kind == "attention":
         from . import attention
         return attention.runnable(cfg)
@@ -655,7 +759,9 @@ def fits(sched: Schedule, cfg: dict) -> bool:
 def tuning_candidates(sched: Schedule) -> list[dict]:
     """Alternatives the GPU autotuner times (the default first)."""
     if sched.kind == "matmul":
-        return tiles.ranked(sched)[:MATMUL_FINALISTS]
+        ranked = tiles.ranked(sched)
+        both = any("PROGRAMS" in c for c in ranked)
+        return ranked[:MATMUL_FINALISTS_TMA if both else MATMUL_FINALISTS]
     if sched.kind == "attention":
         from . import attention
         return attention.candidates(sched)
@@ -685,8 +791,17 @@ def fallback_candidates(sched: Schedule) -> list[dict]:
     return tuning_candidates(sched)
 
 
-def generate(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> tuple[str, Schedule, dict, list]:
-    """Source of one kernel: (text, schedule, config, parameter buffers)."""
+@dataclass
+class Generated:
+    text: str
+    sched: Schedule
+    cfg: dict
+    params: list  # parameter buffers, in signature order
+    aligned: list  # those read or written through TMA descriptors: 16-byte aligned addresses only
+
+
+def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> Generated:
+    """Source of one kernel, for ``cfg`` if it fits the kernel, else for the default."""
     from .attention import spelled_out
     sched = schedule_of(spec)
     if sched.kind != "attention":
@@ -699,4 +814,10 @@ def generate(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> tuple[
     else:
         w = KernelWriter(spec, buffers, sched)
     text = w.write(cfg)
-    return text, sched, cfg, w.params
+    return Generated(text, sched, cfg, w.params, [p for p in w.params if p in getattr(w, "tma_params", ())])
+
+
+def generate(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> tuple[str, Schedule, dict, list]:
+    """Source of one kernel: (text, schedule, config, parameter buffers)."""
+    g = generate_kernel(spec, buffers, cfg)
+    return g.text, g.sched, g.cfg, g.params

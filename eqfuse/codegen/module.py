@@ -4,7 +4,7 @@ fallbacks in order, and returns the flat outputs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..schema import ops
 from ..schema.plan import FallbackStep, KernelSpec, Plan, contiguous_strides
@@ -38,16 +38,34 @@ class KernelInfo:
     schedule: kgen.Schedule
     params: list = field(default_factory=list)
     spec: KernelSpec | None = None
+    aligned: list = field(default_factory=list)  # params the kernel reads or writes through TMA
+    fallback: KernelInfo | None = None  # the same tiles without TMA, for addresses TMA cannot take
 
     def __repr__(self):
         return f"KernelInfo({self.name}, fx_nodes={self.fx_nodes}, grid={self.grid}, {self.constexprs})"
 
 
 def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> KernelInfo:
-    text, sched, cfg, params = kgen.generate(spec, buffers, cfg)
-    launch = {k: v for k, v in cfg.items() if k in kgen.LAUNCH_OPTIONS}
-    constexprs = {**sched.sizes, **{k: v for k, v in cfg.items() if k not in kgen.LAUNCH_OPTIONS}}
-    return KernelInfo(spec.name, text, list(spec.fx_nodes), constexprs, sched.grid(cfg), launch, sched, params, spec)
+    g = kgen.generate_kernel(spec, buffers, cfg)
+    launch = {k: v for k, v in g.cfg.items() if k in kgen.LAUNCH_OPTIONS}
+    constexprs = {**g.sched.sizes, **{k: v for k, v in g.cfg.items() if k not in kgen.LAUNCH_OPTIONS}}
+    info = KernelInfo(spec.name, g.text, list(spec.fx_nodes), constexprs, g.sched.grid(g.cfg), launch, g.sched,
+                      g.params, spec, g.aligned)
+    if g.aligned:  # a TMA kernel: the pointer kernel of the same tiles for unaligned addresses
+        plain = {k: v for k, v in g.cfg.items() if k != "PROGRAMS"}
+        info.fallback = kernel_info(replace(spec, name=f"{spec.name}_unaligned"), buffers, plain)
+        if info.fallback.params != info.params:  # never seen: the two forms walk the kernel alike
+            return kernel_info(spec, buffers, plain)
+    return info
+
+
+def _launcher_line(info: KernelInfo) -> str:
+    kw = ", ".join(f"{k}={v}" for k, v in info.launch.items())
+    if info.fallback is not None:
+        # One bit per tensor, the first the highest, as KernelLauncher counts them
+        mask = sum(1 << (len(info.params) - 1 - i) for i, p in enumerate(info.params) if p in info.aligned)
+        kw += f", aligned={mask:#x}, otherwise={info.fallback.name}_launch"
+    return f"{info.name}_launch = KernelLauncher({info.name}, {info.grid!r}, {info.constexprs!r}, {kw})"
 
 
 def generate_module(plan: Plan, title: str, version: str, configs: dict | None = None):
@@ -57,12 +75,12 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
     by_name = {i.name: i for i in infos}
     parts = [HEADER.format(version=version, title=title)]
     for info in infos:
-        parts.append(info.source)
-        parts.append("")
-        if 0 not in info.grid:
-            kw = ", ".join(f"{k}={v}" for k, v in info.launch.items())
-            parts.append(f"{info.name}_launch = KernelLauncher({info.name}, {info.grid!r}, {info.constexprs!r}, {kw})")
-            parts += ["", ""]
+        for k in ((info.fallback, info) if info.fallback is not None else (info,)):
+            parts.append(k.source)
+            parts.append("")
+            if 0 not in k.grid:
+                parts.append(_launcher_line(k))
+                parts += ["", ""]
     args = [b.name for b in plan.inputs]
     body = []
     allocated = set(args)

@@ -7,6 +7,12 @@ shared memory (from L2 mostly, thanks to the grouped tile order) and issues
 longer sets the step's time. Programs run in waves of one per SM, so a grid that leaves
 the last wave half empty pays for a full one. The model only ranks: the GPU autotuner
 times the first few and keeps the fastest.
+
+Where the matmul can take the TMA form (codegen/tma.py: Hopper or later, operands plain
+reads in layouts a descriptor describes), each tile shape is offered in both forms. The
+TMA form is a persistent loop over tiles: the next tile's operands are fetched while this
+tile's epilogue runs, which the model counts as a smaller cost per tile; its output tile
+is staged in shared memory for the TMA store, which counts against the stages.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import math
 
 from ..rewrite.cost import Device, device_model
 from ..schema import ops
+from . import tma
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the shapes Triton's Hopper and Ampere
 # matmuls are known to run well with, large to small.
@@ -38,14 +45,20 @@ SHARED_MEMORY = 220 * 1024  # bytes a program may stage (H100/H200: 227 KB per S
 MAX_ACCUMULATOR = 128 * 256  # float32 accumulator elements per program, over all products
 STEP_OVERHEAD_US = 0.02
 TILE_OVERHEAD_US = 0.3
+PERSISTENT_TILE_OVERHEAD_US = 0.1  # the TMA form: the next tile's loads overlap this one's epilogue
+STORE_ITEMSIZE = 4  # bytes per output element the TMA form's store buffer is budgeted for (the widest)
 
 
 def _clamp(block: int, size: int) -> int:
     return max(MIN_BLOCK, min(block, 1 << max(0, (int(size) - 1).bit_length())))
 
 
-def candidates(sched) -> list[dict]:
-    """Every tile configuration this matmul can run with, clamped to its sizes."""
+def candidates(sched, with_tma: bool | None = None) -> list[dict]:
+    """Every tile configuration this matmul can run with, clamped to its sizes: one
+    program per tile, and, where the matmul and the device take it (``with_tma``: by
+    default, where tma.device_supports()), the same tile in the TMA form."""
+    if with_tma is None:
+        with_tma = sched.tma and tma.device_supports()
     item = ops.itemsize(sched.dot_dtype)
     out = []
     for bm, bn, bk, warps, stages in TILES:
@@ -60,7 +73,22 @@ def candidates(sched) -> list[dict]:
             continue
         if cfg not in out:
             out.append(cfg)
+        if with_tma:
+            # The output half-tile staged for the TMA store takes shared memory too: a stage
+            # fewer where it does not fit beside them
+            store = cfg["BLOCK_M"] * cfg["BLOCK_N"] // 2 * STORE_ITEMSIZE
+            per_stage = staged // stages
+            fit = min(stages, (SHARED_MEMORY - store) // per_stage)
+            persistent = {**cfg, "num_stages": fit, "PROGRAMS": programs(sched, cfg)}
+            if fit >= 2 and persistent not in out:
+                out.append(persistent)
     return out
+
+
+def programs(sched, cfg: dict) -> int:
+    """Persistent programs: one per SM, or one per tile where there are fewer tiles."""
+    tiles = math.ceil(sched.m / cfg["BLOCK_M"]) * math.ceil(sched.n / cfg["BLOCK_N"])
+    return max(1, min(tiles, tma.sm_count()))
 
 
 CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
@@ -75,8 +103,13 @@ def well_formed(cfg: dict, keys: set, blocks: tuple) -> bool:
     return pow2 and cfg["num_warps"] in (1, 2, 4, 8, 16) and cfg["num_stages"] >= 1
 
 
-def runnable(cfg: dict) -> bool:
-    """Whether a configuration (from a cache, or a user) is one a matmul kernel can run with."""
+def runnable(cfg: dict, sched=None) -> bool:
+    """Whether a configuration (from a cache, or a user) is one a matmul kernel can run
+    with: one program per tile, or, for a matmul that can take it, the TMA form."""
+    if "PROGRAMS" in cfg:
+        if sched is None or not sched.tma or not isinstance(cfg["PROGRAMS"], int) or cfg["PROGRAMS"] < 1:
+            return False
+        cfg = {k: v for k, v in cfg.items() if k != "PROGRAMS"}
     return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N", "BLOCK_K")) and cfg["GROUP_M"] >= 1
 
 
@@ -84,14 +117,15 @@ def modelled_time_us(sched, cfg: dict, device: Device | None = None) -> float:
     device = device or device_model()
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = math.ceil(sched.m / bm) * math.ceil(sched.n / bn) * math.prod(sched.batch)
-    waves = math.ceil(tiles / device.sms)
+    waves = math.ceil(tiles / cfg.get("PROGRAMS", device.sms))
     steps = math.ceil(sched.k / bk)
     flops = 2 * bm * bn * bk * sched.dots
     moved = (bm + sched.dots * bn) * bk * ops.itemsize(sched.dot_dtype)
     per_sm_flops = device.tensor_flops_per_us(sched.dot_dtype) / device.sms
     per_sm_bytes = device.bandwidth_bytes_per_us * device.l2_speedup / device.sms
     step = max(flops / per_sm_flops, moved / per_sm_bytes) + STEP_OVERHEAD_US
-    return waves * (steps * step + TILE_OVERHEAD_US)
+    per_tile = PERSISTENT_TILE_OVERHEAD_US if "PROGRAMS" in cfg else TILE_OVERHEAD_US
+    return waves * (steps * step + per_tile)
 
 
 def ranked(sched, device: Device | None = None) -> list[dict]:

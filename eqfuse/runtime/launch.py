@@ -8,12 +8,23 @@ on each call. ``KernelLauncher`` goes through Triton's JIT only for the first ca
 given pointer alignment (Triton specialises pointers on 16-byte alignment); later calls
 hand the addresses straight to the compiled kernel's C launcher. Under Triton's
 interpreter (CPU) it is the plain JIT call.
+
+A kernel that reads or writes through TMA descriptors it makes itself (a matmul's TMA
+form) needs those addresses 16-byte aligned, and global scratch memory for the
+descriptors. ``aligned`` names the tensors that must be (one bit each) and ``otherwise``
+the launcher of the same kernel without TMA, which runs when one is not. Scratch memory
+is one buffer per stream, kept for the kernel's life (launches on one stream do not
+overlap); Triton's own launches (the first, and any with a profiler listening) get it
+through Triton's allocator hook, set around the call only.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from triton import knobs
+from triton.runtime import _allocation
 
 _RUNTIME_KNOBS = knobs.runtime  # launch hooks a profiler sets: read on every launch, as Triton does
 
@@ -28,6 +39,21 @@ def _listening(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, device="cuda")  # the caching allocator aligns to 512 bytes
+
+
+@contextlib.contextmanager
+def triton_scratch():
+    """Triton's allocator hook set to torch's allocator for the calls inside (kernels that
+    make TMA descriptors ask it for scratch memory); the caller's own hook after."""
+    token = _allocation._allocator.set(_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
 class _Compiled:
     """One compiled specialisation of a kernel, and how to call its C launcher."""
 
@@ -40,32 +66,49 @@ class _Compiled:
         # allocate scratch memory, which the kernels eqfuse generates never ask for; the
         # wrapper stays in use where one does, or in a Triton that lays things out otherwise).
         direct = all(hasattr(runner, a) for a in ("launch", "global_scratch_size", "profile_scratch_size",
-                                                  "launch_cooperative_grid", "launch_pdl"))
-        if direct and not runner.global_scratch_size and not runner.profile_scratch_size:
+                                                  "launch_cooperative_grid", "launch_pdl", "num_ctas"))
+        self.scratch_bytes = 0
+        self.scratch: dict[int, torch.Tensor] = {}  # stream -> global scratch buffer
+        if direct and not runner.profile_scratch_size:
             self.c_launch = runner.launch
-            self.flags = (runner.launch_cooperative_grid, runner.launch_pdl, None, None)
+            self.flags = (runner.launch_cooperative_grid, runner.launch_pdl)
+            # Sized as Triton sizes it: per program, per CTA
+            self.scratch_bytes = runner.global_scratch_size * runner.num_ctas * grid[0] * grid[1] * grid[2]
         else:
             self.c_launch = None
+        self.needs_allocator = bool(getattr(runner, "global_scratch_size", 0))
 
     def __call__(self, stream, ptrs, tensors):
         k = self.kernel
         enter, leave = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
         if _listening(enter) or _listening(leave):  # a profiler: tell it about the launch, as Triton's JIT does
             args = tensors + self.tail
-            k.run(*self.prefix, stream, k.function, k.packed_metadata,
-                  k.launch_metadata(self.prefix, stream, *args), enter, leave, *args)
+            with triton_scratch() if self.needs_allocator else contextlib.nullcontext():
+                k.run(*self.prefix, stream, k.function, k.packed_metadata,
+                      k.launch_metadata(self.prefix, stream, *args), enter, leave, *args)
         elif self.c_launch is not None:
-            self.c_launch(*self.prefix, stream, k.function, *self.flags, k.packed_metadata, None, None, None,
-                          *ptrs, *self.tail)
+            scratch = None
+            if self.scratch_bytes:
+                buf = self.scratch.get(stream)
+                if buf is None:
+                    buf = self.scratch[stream] = torch.empty(self.scratch_bytes, dtype=torch.uint8, device="cuda")
+                scratch = buf.data_ptr()
+            self.c_launch(*self.prefix, stream, k.function, *self.flags, scratch, None, k.packed_metadata,
+                          None, None, None, *ptrs, *self.tail)
         else:
-            k.run(*self.prefix, stream, k.function, k.packed_metadata, None, None, None, *tensors, *self.tail)
+            with triton_scratch() if self.needs_allocator else contextlib.nullcontext():
+                k.run(*self.prefix, stream, k.function, k.packed_metadata, None, None, None, *tensors, *self.tail)
 
 
 class KernelLauncher:
-    """``launcher(*tensors)`` runs ``fn[grid](*tensors, **constexprs, **options)``."""
+    """``launcher(*tensors)`` runs ``fn[grid](*tensors, **constexprs, **options)``, or
+    ``otherwise(*tensors)`` where a tensor whose bit is set in ``aligned`` (the first
+    tensor the highest bit) does not start on a 16-byte boundary."""
 
-    def __init__(self, fn, grid: tuple, constexprs: dict, **options):
+    def __init__(self, fn, grid: tuple, constexprs: dict, *, aligned: int = 0, otherwise=None, **options):
         self.fn = fn
+        self.need = aligned
+        self.otherwise = otherwise
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.constexprs = constexprs
         self.options = options
@@ -74,6 +117,8 @@ class KernelLauncher:
 
     def __call__(self, *tensors):
         if self.interpreted:
+            if self.need and self._alignment(tensors) & self.need != self.need:
+                return self.otherwise(*tensors)
             self.fn[self.grid](*tensors, **self.constexprs, **self.options)
             return
         # Keyed like Triton's own cache: by the current device (kernels are loaded per device,
@@ -85,12 +130,22 @@ class KernelLauncher:
             p = t.data_ptr()
             ptrs.append(p)
             aligned = aligned << 1 | (p & 15 == 0)
+        if aligned & self.need != self.need:
+            return self.otherwise(*tensors)
         device = _current_device()
         key = (device, aligned)
         compiled = self._compiled.get(key)
         if compiled is None:  # through the JIT, which compiles if needed
-            kernel = self.fn[self.grid](*tensors, **self.constexprs, **self.options)
+            with triton_scratch():
+                kernel = self.fn[self.grid](*tensors, **self.constexprs, **self.options)
             tail = tuple(self.constexprs[name] for name in self.fn.arg_names[len(tensors):])
             self._compiled[key] = _Compiled(kernel, self.grid, tail)
             return
         compiled(torch._C._cuda_getCurrentRawStream(device), ptrs, tensors)
+
+    @staticmethod
+    def _alignment(tensors) -> int:
+        bits = 0
+        for t in tensors:
+            bits = bits << 1 | (t.data_ptr() & 15 == 0)
+        return bits
