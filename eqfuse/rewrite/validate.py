@@ -87,10 +87,26 @@ class _KernelEvaluator:
                 v = self._view(node).to(_compute_dtype(node.dtype))
             elif node.op == "iota":
                 v = self._iota(node)
+            elif node.op == "dot" and _inner_step(node):
+                v = self._dot_by_inner_chunks(node, _inner_step(node))
             else:
                 v = _apply(node, [self.full(x) for x in node.args], node.shape, self.device)
             self.memo[id(node)] = v
         return v
+
+    def _dot_by_inner_chunks(self, node: PNode, step: int) -> torch.Tensor:
+        """A product whose operands are large (a weight gradient: [hidden, tokens] @
+        [tokens, hidden]) as a sum of products over chunks of the inner dim, each
+        operand evaluated only for the chunk."""
+        a, b = node.args
+        out = None
+        for k0 in range(0, a.shape[-1], step):
+            k1 = min(a.shape[-1], k0 + step)
+            memo: dict = {}
+            part = torch.matmul(self.narrow(a, len(a.shape) - 1, k0, k1, memo),
+                                self.narrow(b, len(b.shape) - 2, k0, k1, memo))
+            out = part if out is None else out.add_(part)
+        return out
 
     def _view(self, node: PNode) -> torch.Tensor:
         base = self.buffers[node.attrs[0]]
@@ -171,6 +187,17 @@ class _KernelEvaluator:
         return v.narrow(dim, lo - a * in_inner // out_inner, hi - lo)
 
 
+def _inner_step(node: PNode) -> int | None:
+    """For a product with an operand larger than ``CHUNK_ELEMENTS``: the length of the
+    chunks of its inner dim that keep each operand's chunk about that size; else None."""
+    a, b = node.args
+    if min(len(a.shape), len(b.shape)) < 2:
+        return None
+    inner, big = a.shape[-1], max(a.numel, b.numel)
+    step = max(1, inner * CHUNK_ELEMENTS // max(big, 1))
+    return step if big > CHUNK_ELEMENTS and step < inner else None
+
+
 def _arg_dims(node: PNode, dim: int) -> list:
     """For a node narrowed along ``dim``: the dim of each argument to narrow likewise
     (None: the argument is needed whole)."""
@@ -211,31 +238,39 @@ class _Probe(_KernelEvaluator):
 
     def full(self, node: PNode) -> torch.Tensor:
         v = super().full(node)
-        if node.op not in ("const", "iota", "load"):
+        if node.op not in ("const", "iota", "load") or node.dtype in ops.NARROW_FLOATS:
             self.largest = max(self.largest, v.numel())
         return v
 
 
-def _chunk_dim(root: PNode, buffers: dict) -> int:
-    """The dim to evaluate ``root`` in chunks along: the longest (the last only for
-    vectors) whose one-row chunk needs no large value computed whole. A reshape that
-    splits the dim across others makes its argument whole; the longest dim of a
-    ``[B, S, H]`` view of a ``[B * S, H]`` product is S, which cannot be narrowed
-    there, but B can."""
-    dims = sorted(range(max(len(root.shape) - 1, 1)), key=lambda d: -root.shape[d])
-    best, best_largest = dims[0], None
-    for d in dims:
-        if root.shape[d] == 1:
-            continue
-        probe = _Probe(buffers)
-        try:
-            probe.narrow(root, d, 0, 1, {})
-        except Exception:  # noqa: BLE001 - an op meta tensors lack: try another dim
-            continue
-        if probe.largest <= CHUNK_ELEMENTS:
+def _largest_whole(root: PNode, buffers: dict, dim) -> float:
+    """The largest value evaluating ``root`` computes whole: narrowed to one row along
+    ``dim``, or whole where ``dim`` is None (on meta tensors)."""
+    probe = _Probe(buffers)
+    try:
+        probe.full(root) if dim is None else probe.narrow(root, dim, 0, 1, {})
+    except Exception:  # noqa: BLE001 - an op meta tensors lack: not this way
+        return math.inf
+    return probe.largest
+
+
+def _chunk_dim(root: PNode, buffers: dict) -> int | None:
+    """The dim to evaluate ``root`` in chunks along: the longest, the last one last,
+    whose one-row chunk needs no large value computed whole (a reshape that splits the
+    dim across others makes its argument whole: the longest dim of a ``[B, S, H]`` view
+    of a ``[B * S, H]`` product is S, which cannot be narrowed there, but B can). None:
+    evaluate it whole, its products summed over chunks of their inner dim (a weight
+    gradient, smaller than the activations it sums over)."""
+    rank = len(root.shape)
+    dims = sorted(range(rank - 1), key=lambda d: -root.shape[d]) + [rank - 1]
+    candidates = [d for d in dims if root.shape[d] > 1] + [None]
+    best, best_largest = None, math.inf
+    for d in candidates:
+        largest = _largest_whole(root, buffers, d)
+        if largest <= CHUNK_ELEMENTS:
             return d
-        if best_largest is None or probe.largest < best_largest:
-            best, best_largest = d, probe.largest
+        if largest < best_largest:
+            best, best_largest = d, largest
     return best
 
 
@@ -247,8 +282,9 @@ def _eval_kernel(step: KernelSpec, plan: Plan, buffers: dict, device) -> None:
         biggest = max(n.numel for n in root.walk())
         if biggest <= CHUNK_ELEMENTS or tuple(root.shape) != tuple(b.shape) or not root.shape:
             out.copy_(ev.full(root).broadcast_to(b.shape))
+        elif (dim := _chunk_dim(root, buffers)) is None:
+            out.copy_(ev.full(root))
         else:
-            dim = _chunk_dim(root, buffers)
             rows = root.shape[dim]
             step_rows = max(1, rows * CHUNK_ELEMENTS // biggest)
             for lo in range(0, rows, step_rows):
