@@ -161,9 +161,12 @@ def main(argv=None):
               f"eqfuse {t_eq:8.1f} ({tf(t_eq):5.1f}){core_txt} kernels={len(compiled.kernels)} ok={ok} "
               f"compile {eq_compile_s:.1f}s", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    extra = {}
     if args.merge:
+        extra["merged"] = f"workloads {sorted(r['workload'] for r in rows)} from this run, the others from an " \
+                          "earlier run (--merge)"
         rows = merged(args.merge, rows, [w[0] for w in workloads(args.quick)])
-    save_results(args.out, rows, quick=args.quick)
+    save_results(args.out, rows, quick=args.quick, **extra)
     return 0 if all(r["matches_eager"] for r in rows) else 1
 
 

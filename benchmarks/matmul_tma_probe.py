@@ -329,6 +329,41 @@ def eqfuse_section():
         note(section="eqfuse alone", variant=name, us=round(us(f), 1))
 
 
+def ab_section():
+    """eqfuse's generated gelu(x@W+b) kernel in its two forms, same tiles, against this
+    probe's hand-written TMA kernel and cuBLAS, interleaved in one process."""
+    import os
+
+    import eqfuse
+    from eqfuse.codegen.module import generate_module
+    from eqfuse.runtime.cache import cache_key, load_module
+
+    torch.manual_seed(0)
+    m, n, k = 8192, 4096, 4096
+    x = torch.randn(m, k, dtype=torch.float16, device="cuda") / k ** 0.25
+    w = torch.randn(k, n, dtype=torch.float16, device="cuda") / k ** 0.25
+    bias = torch.randn(n, dtype=torch.float16, device="cuda") / k ** 0.25
+    os.environ["EQFUSE_AUTOTUNE"] = "0"
+    compiled = eqfuse.compile(lambda x, w, b: F.gelu(x @ w + b), (x, w, bias))
+    del os.environ["EQFUSE_AUTOTUNE"]
+    name = compiled.kernels[0].name
+    tile = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    ref = F.gelu(x @ w + bias)
+    fns = {"cublas mm alone": lambda: x @ w}
+    for label, cfg in (("eqfuse pointer form", tile), ("eqfuse TMA form", {**tile, "PROGRAMS": 132})):
+        src, _ = generate_module(compiled.plan, "ab", "probe", {name: cfg})
+        module = load_module(cache_key(src, "ab"), src, interpret=False)
+        (out,) = module.call(x.device, [], x, w, bias)
+        note(section="ab", variant=label, rel_err=rel_err(out, ref))
+        fns[label] = lambda module=module: module.call(x.device, [], x, w, bias)
+    c = torch.empty(m, n, dtype=torch.float16, device="cuda")
+    fns["probe TMA kernel"] = launcher(x, w, bias, c, bm=128, bn=256, bk=64, warps=8, stages=3, tma=True,
+                                       persistent=True, flatten=True, store=2, epi=True)
+    t = interleaved(fns, rounds=5)
+    for label, v in sorted(t.items(), key=lambda kv: kv[1]):
+        note(section="ab gelu 8192x4096x4096 fp16", variant=label, us=round(v, 1))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -343,7 +378,7 @@ def main():
                                stdout=open(args.smi, "w"), stderr=subprocess.STDOUT)
     note(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__)
     only = args.only.split(",")
-    sections = [("eqfuse", eqfuse_section), ("tf32", tf32_section), ("gelu", gelu_section),
+    sections = [("ab", ab_section), ("eqfuse", eqfuse_section), ("tf32", tf32_section), ("gelu", gelu_section),
                 ("square", lambda: [square_section(8192, torch.float16), square_section(4096, torch.bfloat16)])]
     for name, fn in sections:
         if name in only:

@@ -255,6 +255,12 @@ def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(
         assert c["PROGRAMS"] == min(132, tiles_count)
     assert any("PROGRAMS" in c for c in kgen.tuning_candidates(k.schedule))
     assert not any("PROGRAMS" in c for c in tiles.candidates(batched.schedule))
+    # Two products in one loop: the form runs (forced), but is not offered (slower on an H100)
+    swiglu = MATMUL_EXAMPLES["swiglu_mlp"]
+    compiled = eqfuse.compile(swiglu.fn, swiglu.make_inputs(64, 64, 64, torch.float16, DEVICE))
+    two = compiled.kernels[0].schedule
+    assert two.dots == 2 and two.tma and kgen.fits(two, TMA_CFG)
+    assert not any("PROGRAMS" in c for c in tiles.candidates(two))
     # A cached or user config in the TMA form is refused for a matmul that cannot take it
     assert kgen.fits(k.schedule, TMA_CFG) and not kgen.fits(batched.schedule, TMA_CFG)
     assert not kgen.fits(k.schedule, {**TMA_CFG, "PROGRAMS": 0})

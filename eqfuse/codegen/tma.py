@@ -1,12 +1,15 @@
 """Tensor-descriptor (TMA) tiles for matmul kernels on Hopper and later GPUs.
 
-On an H100 a matmul whose operand tiles are fetched by the TMA unit, in a persistent loop
-over output tiles (one program per SM; ``tl.range(..., flatten=True)`` lets the pipeliner
-fetch the next tile's operands during this tile's epilogue), and whose output tile is
-stored by TMA in two halves, ran gelu(x@W+b) at 8192x4096x4096 fp16 in 425 us against
-470 us for one program per tile with pointer loads (cuBLAS's matmul alone: 419 us), and
-fp32 (TF32) 2048^3 with a K-major B in 54 us against 58 (benchmarks/matmul_tma_probe.py).
-The same loop with pointer loads was 2.4x slower (1108 us).
+The TMA form of a matmul: operand tiles fetched by the TMA unit, a persistent loop over
+output tiles (one program per SM; ``tl.range(..., flatten=True)`` lets the pipeliner fetch
+the next tile's operands during this tile's epilogue), the output tile stored by TMA in
+two halves. Measured on H100s (benchmarks/matmul_tma_probe.py and the autotuner's trials in
+benchmarks/results/), against one program per tile with pointer loads, same tiles: for
+gelu(x@W+b) at 8192x4096x4096 fp16, 10%, 3% and 1.6% faster in three separate GPU
+sessions and even (466.3 against 466.1 us) in a fourth; for plain square fp16/bf16
+matmuls within +-2.5% either way; for two products in one loop 32% slower (not offered).
+The autotuner times both forms and keeps the faster. The same persistent loop with
+pointer loads was 2.4x slower.
 
 A descriptor describes a 2-D box of a buffer: ``shape`` (outer, inner), the outer stride,
 the inner stride 1. The TMA unit wants the base address and the outer stride in multiples
