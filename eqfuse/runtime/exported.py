@@ -169,6 +169,7 @@ class ExportedGraph:
         self._outputs = data["outputs"]
         import torch.utils._pytree as pytree
         self._out_spec = pytree.treespec_loads(data["out_spec"])
+        self._leaf = self._out_spec.is_leaf()
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self.replayer = GraphReplayer(self._launch, tuple(self._constants.values())) if cuda_graphs else None
 
@@ -185,19 +186,29 @@ class ExportedGraph:
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def __call__(self, *inputs):
-        if len(inputs) != len(self._signature) or any(
-                (x.shape, x.dtype, x.stride(), x.device) != s for x, s in zip(inputs, self._signature)):
+        if len(inputs) != len(self._signature):
             self.manifest.check_inputs(inputs)
-            raise ExportedGraphError(f"inputs must be on {self.device}")
-        for i, x in enumerate(inputs):
-            if x.data_ptr() % self._align:
-                raise ExportedGraphError(f"input {i} starts at an address not a multiple of {self._align} bytes "
-                                         "(the kernels were compiled for aligned pointers): pass x.clone()")
+        align = self._align
+        for x, (shape, dtype, strides, device) in zip(inputs, self._signature):  # a plain loop: every call
+            if (x.shape != shape or x.dtype != dtype or x.stride() != strides or x.device != device
+                    or x.data_ptr() % align):
+                self._refuse(inputs)
         flat = self._launch(*inputs) if self.replayer is None else self.replayer(inputs)
-        if self._out_spec.is_leaf():
+        if self._leaf:
             return flat[0]
         import torch.utils._pytree as pytree
         return pytree.tree_unflatten(flat, self._out_spec)
+
+    def _refuse(self, inputs):
+        """Raises, naming what about ``inputs`` the exported kernels cannot take."""
+        self.manifest.check_inputs(inputs)
+        for i, x in enumerate(inputs):
+            if x.device != self.device:
+                raise ExportedGraphError(f"input {i} is on {x.device}; the graph was loaded on {self.device}")
+            if x.data_ptr() % self._align:
+                raise ExportedGraphError(f"input {i} starts at an address not a multiple of {self._align} bytes "
+                                         "(the kernels were compiled for aligned pointers): pass x.clone()")
+        raise ExportedGraphError("inputs differ from the exported signature")  # not reached
 
     def _launch(self, *inputs) -> list:
         """Launches every kernel on checked inputs; the flat outputs."""
