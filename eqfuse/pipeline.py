@@ -61,9 +61,16 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         sat = saturate(tr.egraph, limits, enabled=options.rules)
         seconds["saturate"] = sat.seconds
         t0 = time.perf_counter()
-        view = serialize(tr.egraph)
-        sat.enodes, sat.eclasses = view.size()
-        plan, ext_report = Extractor(view, tr).extract()
+        try:
+            view = serialize(tr.egraph)
+            sat.enodes, sat.eclasses = view.size()
+            plan, ext_report = Extractor(view, tr).extract()
+        finally:
+            # Dropped here, on the thread that made it: egglog's e-graph may only be freed on
+            # its own thread, and the translation sits in reference cycles that the garbage
+            # collector would break on whichever thread it runs (the autograd engine's compiles
+            # a backward graph; the main thread collects it).
+            tr.egraph = None
         seconds["extract"] = time.perf_counter() - t0
         return plan, sat, ext_report
 

@@ -136,3 +136,22 @@ def test_float32_to_bfloat16_rounds_to_nearest_even_as_torch():
     assert torch.equal(got.isnan(), ref.isnan())
     finite = ~ref.isnan()
     assert torch.equal(got[finite].view(torch.int16), ref[finite].view(torch.int16))
+
+
+def test_graph_compiled_on_another_thread_is_freed_cleanly(monkeypatch):
+    """The autograd engine compiles backward graphs on its own thread; egglog's e-graph may
+    only be dropped on the thread that made it, so eqfuse drops it there (not the collector
+    on whichever thread it later runs)."""
+    import gc
+    import sys
+    import threading
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    inputs = (torch.randn(8, 32, device=DEVICE), torch.ones(32, device=DEVICE))
+    compiled = []
+    worker = threading.Thread(target=lambda: compiled.append(eqfuse.compile(rmsnorm, inputs)))
+    worker.start()
+    worker.join()
+    assert compiled and compiled[0].kernels
+    gc.collect()
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
