@@ -409,6 +409,7 @@ class Extractor:
         """The kernel computing ``root`` (and storing ``extra`` values it computes inline)."""
         memo: dict[str, PNode] = {}
         inline, loads = [], set()
+        reads = set()  # buffer names the kernel loads (collected here: walking it again costs)
         here = {root, *extra}
 
         def build(c) -> PNode:
@@ -419,6 +420,7 @@ class Extractor:
                 loads.add(c)
                 strides = self._strides(c) or contiguous_strides(shape)
                 p = PNode("load", (self.buffer_name(c), strides, 0), (), shape, dtype, c)
+                reads.add(p.attrs[0])
                 memo[c] = p
                 return p
             n = self.best[c]
@@ -427,11 +429,13 @@ class Extractor:
             if n.op == "LoadStrided":
                 name = buffer_name(self.tensor_node[a[0]].args[0])
                 p = PNode("load", (name, tuple(a[2]), a[3]), (), shape, dtype, c)
+                reads.add(name)
             elif n.op == "Load":  # a kernel left unfused (saturation stopped early): read its buffer
                 d = self.tensor_node[a[0]].args[0]
                 loads.add(d)  # d in ``here`` (a kernel reading what it writes) is rejected by the caller
                 strides = self._strides(d) or contiguous_strides(shape)
                 p = PNode("load", (self.buffer_name(d), strides, 0), (), shape, dtype, c)
+                reads.add(p.attrs[0])
             elif n.op == "Const":
                 p = PNode("const", (bits_float(a[0]),), (), shape, dtype, c)
             elif n.op == "Iota":
@@ -467,7 +471,7 @@ class Extractor:
             names += self.fx_names(c)
         label = (self.fx_names(root) or ["value"])[0]
         spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names)))
-        return spec, inline, loads, _reads(spec)
+        return spec, inline, loads, reads
 
     # --- 4. the plan ---------------------------------------------------------------------------
     def _assemble(self, state, M, host) -> Plan:
