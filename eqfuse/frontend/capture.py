@@ -231,11 +231,14 @@ def real_examples(tensors) -> list:
                 out.append(t)
                 continue
             x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            # Filled through its whole storage: a view with a zero stride (an expanded mask)
+            # overlaps itself, and torch refuses to write random values into such a view.
+            flat = x.new_empty(0).set_(x.untyped_storage())
             if t.dtype.is_floating_point:
-                x.normal_(std=t.shape[-1] ** -0.5 if t.dim() >= 2 and t.shape[-1] > 0 else 1.0)
+                flat.normal_(std=t.shape[-1] ** -0.5 if t.dim() >= 2 and t.shape[-1] > 0 else 1.0)
             elif t.dtype == torch.bool:
-                x.copy_(torch.rand(t.shape, device=t.device) > 0.5)
+                flat.copy_(torch.rand(flat.shape, device=t.device) > 0.5)
             else:
-                x.copy_(torch.randint(0, 8, t.shape, device=t.device))
+                flat.copy_(torch.randint(0, 8, flat.shape, device=t.device))
             out.append(x)
     return out
