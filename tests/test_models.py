@@ -179,18 +179,24 @@ def test_training_example_follows_eager(capsys):
     assert "eqfuse loss" in capsys.readouterr().out
 
 
-def test_llama_inference_graph_compiles_whole_with_streamed_attention():
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_inference_graph_compiles_whole_with_streamed_attention(name):
     """Under no_grad AOTAutograd compiles one inference graph, with its FakeTensorMode
-    active: the compile-time mask analysis must still see real tensors."""
+    active: the compile-time mask analysis must still see real tensors. GPT-2's
+    F.scaled_dot_product_attention arrives as the fused op the backend picked (flash for
+    CPU here; cuDNN, flash or efficient on a GPU); only its output is used, so it becomes
+    the plain computation and one streamed kernel."""
     torch._dynamo.reset()
     eqfuse.backend.history.clear()
     torch.manual_seed(0)
-    model = LlamaLayer()
-    x = torch.randn(2, 16, 64)
+    model = {"llama": LlamaLayer, "gpt2": GPT2Block}[name]()
+    x = torch.randn(BATCH, SEQ, HIDDEN)
     with torch.no_grad():
         out, ref = torch.compile(model, backend="eqfuse")(x), model(x)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     (graph,) = eqfuse.backend.history
+    if name == "gpt2":
+        assert any("scaled_dot_product" in str(n.target) for n in graph.fn.graph.nodes), graph.fn.code
     assert not graph.fallbacks, graph.explain()
     assert any(k.schedule.kind == "attention" for k in graph.kernels), graph.explain()
 
