@@ -90,7 +90,7 @@ class Extractor:
         self._regions: dict[str, frozenset] = {}
         self._kernels: dict = {}  # (root, hosted, M within reach) -> (spec, inline, loads, reads)
         self._fallbacks: dict | None = None  # the eager steps, the same in every plan
-        self._fallback_reads: dict = {}
+        self._fallback_reads: dict = {}  # and the buffers each reads
 
     # --- 1. types ------------------------------------------------------------------------------
     def _type_of_node(self, n: ENode, types):
@@ -296,8 +296,8 @@ class Extractor:
         for c in sorted(M, key=order.index):
             if c not in state.specs:
                 continue
-            reads = _load_buffers(state.specs[c])
-            siblings = [p for p, spec in state.specs.items() if reads & _load_buffers(spec)]
+            reads = state.reads[c]
+            siblings = [p for p in state.specs if reads & state.reads[p]]
             for p in dict.fromkeys(state.loaders.get(c, []) + siblings):
                 p = host.get(p, p)  # the kernel that computes p
                 if p == c or c in host:
@@ -360,8 +360,6 @@ class Extractor:
             for d in loads:
                 st.loaders.setdefault(d, []).append(c)
         fallbacks = self._fallback_steps()
-        if fallbacks and not self._fallback_reads:
-            self._fallback_reads = {key: _reads(step) for key, step in fallbacks.items()}
         # Evaluated a thousand times and more per graph: the reads of each step are computed
         # once (with its kernel, or here for the eager steps), not walked again.
         graph = _dependency_graph(st.specs, fallbacks, {**st.reads, **self._fallback_reads})
@@ -386,6 +384,7 @@ class Extractor:
             self._fallbacks = {f"f{j}": FallbackStep(fb.node, fb.target, _map_refs(fb.args, self),
                                                      _map_refs(fb.kwargs, self), fb.reason, fb.outputs, fb.multi)
                                for j, fb in enumerate(self.tr.fallbacks)}
+            self._fallback_reads = {key: _reads(step) for key, step in self._fallbacks.items()}
         return self._fallbacks
 
     def _buffers(self, M) -> dict:
@@ -500,10 +499,6 @@ class Extractor:
                 outputs.append(o)
         inputs = [buffers[name] for name, _, _ in self.tr.inputs]
         return Plan(inputs, buffers, ordered, outputs)
-
-
-def _load_buffers(spec: KernelSpec) -> set:
-    return {n.attrs[0] for n in spec.walk() if n.op == "load"}
 
 
 def _dependency_graph(kernels: dict, fallbacks: dict, reads: dict | None = None) -> nx.DiGraph:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,10 +40,11 @@ class _Recording:
     owned: list  # those of them in the recording's memory (not views of inputs)
     storages: list  # their storages
     alone: list | None = None  # reference counts when only the recording holds them: see seal()
+    storage_handles: list = field(default_factory=list)  # the storages' C handles, read once
 
     def seal(self) -> None:
         """Count references now: to be called where nothing but the recording holds its outputs."""
-        self._storage_handles = [s._cdata for s in self.storages]
+        self.storage_handles = [s._cdata for s in self.storages]
         self.alone = self.references()
 
     def references(self) -> list:
@@ -54,7 +55,7 @@ class _Recording:
         for t in self.owned:
             counts.append(sys.getrefcount(t))
             counts.append(t._use_count())
-        for handle in self._storage_handles:
+        for handle in self.storage_handles:
             counts.append(_storage_use_count(handle))
         return counts
 
