@@ -1,6 +1,6 @@
 """Transformer blocks through torch.compile: eqfuse vs eager vs Inductor, in one run.
 
-    python benchmarks/models.py [--models llama gpt2 bert] [--out results.json]
+    python benchmarks/models.py [--models llama gpt2 bert] [--contenders eqfuse] [--no-timing] [--out results.json]
 
 The blocks are eqfuse.models' plain-PyTorch ones with random weights, fp16: a Llama-style
 decoder layer (RMSNorm, rotary, causal attention written with masked_fill, SwiGLU MLP)
@@ -12,8 +12,11 @@ gelu MLP) at BERT-base size, batch 8, sequence 512, the sequences padded after 5
 forward only (no_grad) and forward + backward. Reported per contender: the median time
 of a call (triton.testing.do_bench, interleaved rounds), compile seconds cold (the first
 call, caches empty) and warm (compiled again after torch._dynamo.reset), and for eqfuse
-the kernels and eager steps of the graphs it compiled. eqfuse compiles with autotune off
-(the tile model's first choice) to keep compile time bounded.
+the kernels and eager steps of the graphs it compiled, its compile seconds per stage (cold
+and warm) and what parallel kernel compilation did. eqfuse compiles with autotune off
+(the tile model's first choice) to keep compile time bounded. ``EQFUSE_PARALLEL_COMPILE=0``
+compiles its kernels one after another at their first launch instead (recorded in the
+results file).
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ MODELS = {
 }
 
 
+# contender -> torch.compile's keywords
+CONTENDERS = {"torch.compile": {}, "eqfuse": {"backend": "eqfuse", "options": {"autotune": False}}}
+
+
 def step(model, training: bool):
     if training:
         cotangent = []  # one random upstream gradient, made at the first call (a squared-mean
@@ -88,7 +95,13 @@ def _stage_seconds(graphs) -> dict:
     return total
 
 
-def measure(name: str, training: bool) -> dict:
+def _pool_outcomes(graphs) -> list:
+    """What parallel compilation did in each graph (report["compile"]), and its notes."""
+    return [{**g.report.get("compile", {}), **({"note": g.report["note"]} if g.report.get("note") else {})}
+            for g in graphs]
+
+
+def measure(name: str, training: bool, contenders=CONTENDERS, timing: bool = True) -> dict:
     make, make_inputs = MODELS[name]
     torch.manual_seed(0)
     model = make().to("cuda", torch.float16)
@@ -97,15 +110,17 @@ def measure(name: str, training: bool) -> dict:
         ref = model(*inputs).float()
     row = {"model": name, "mode": "forward+backward" if training else "forward", "shape": list(inputs[0].shape)}
     fns = {"eager": step(model, training)}
-    for contender, backend_kw in (("torch.compile", {}),
-                                  ("eqfuse", {"backend": "eqfuse", "options": {"autotune": False}})):
-        seconds = []
+    for contender in contenders:
+        backend_kw = CONTENDERS[contender]
+        seconds, stages, pools = [], [], []
         for _ in range(2):  # cold, then warm
             torch._dynamo.reset()
             eqfuse.backend.history.clear()
             fn = step(torch.compile(model, **backend_kw), training)
             t, out = first_call(fn, inputs)
             seconds.append(t)
+            stages.append(_stage_seconds(eqfuse.backend.history))
+            pools.append(_pool_outcomes(eqfuse.backend.history))
         fns[contender] = fn
         err = (out - ref).abs().max().item()
         entry = {"compile_s_cold": round(seconds[0], 1), "compile_s_warm": round(seconds[1], 1),
@@ -114,8 +129,11 @@ def measure(name: str, training: bool) -> dict:
             graphs = list(eqfuse.backend.history)
             entry.update(graphs=len(graphs), kernels=sum(len(g.kernels) for g in graphs),
                          eager_steps=[str(f) for g in graphs for f in g.fallbacks],
-                         warm_compile_stages_s=_stage_seconds(graphs))
+                         cold_compile_stages_s=stages[0], warm_compile_stages_s=stages[1],
+                         parallel_compile_cold=pools[0], parallel_compile_warm=pools[1])
         row[contender] = entry
+    if not timing:
+        return row
     times = bench_interleaved({n: (lambda f=f: f(*inputs)) for n, f in fns.items()})
     for n, us in times.items():
         row.setdefault(n, {})["us"] = round(us, 1)
@@ -127,15 +145,18 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--modes", nargs="+", choices=["forward", "forward+backward"],
                    default=["forward", "forward+backward"])
+    p.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
+    p.add_argument("--no-timing", action="store_true", help="compile seconds only, no call timing")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     rows = []
     for name in a.models:
         for mode in a.modes:
-            row = measure(name, training=mode != "forward")
+            row = measure(name, training=mode != "forward", contenders=a.contenders, timing=not a.no_timing)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            save_results(a.out, rows, dtype="float16", eqfuse_options={"autotune": False})
+            save_results(a.out, rows, dtype="float16", eqfuse_options={"autotune": False},
+                         parallel_compile=os.environ.get("EQFUSE_PARALLEL_COMPILE", "1") != "0")
     return 0
 
 

@@ -16,6 +16,9 @@ def build(fn, example_inputs, options) -> dict:
 
     from .frontend.capture import capture
 
+    if _parallel(options, example_inputs):
+        from .runtime.parallel_compile import prestart
+        prestart()  # its workers start up while the graph is captured, saturated and extracted
     t0 = time.perf_counter()
     captured = capture(fn, example_inputs)
     seconds = {"capture": time.perf_counter() - t0}
@@ -38,6 +41,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
 
     device = example_inputs[0].device if example_inputs else torch.device("cpu")
     device_type = device.type
+    parallel = _parallel(options, example_inputs)
     title = getattr(fn, "__name__", type(fn).__name__)
     result = {"constants": captured.constants, "out_spec": captured.out_spec, "device": device,
               "whole_graph_eager": False, "kernels": [], "fallbacks": [], "source": "", "plan": None,
@@ -108,19 +112,23 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         return eager("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
     t0 = time.perf_counter()
     source, infos = generate_module(plan, title, VERSION)
+    tuning: dict = {}  # seconds spent compiling and first launching kernels, and the pool's outcome
     if device_type == "cuda" and infos:
         from .runtime.autotune import NoRunnableConfig, choose_configs
         try:
             configs = choose_configs(plan, infos, title, VERSION, example_inputs, captured.constants,
-                                     measure=options.autotune)
+                                     measure=options.autotune, parallel=parallel, stats=tuning)
         except NoRunnableConfig as e:
             return eager(str(e))
         source, infos = generate_module(plan, title, VERSION, configs)
-    seconds["codegen"] = time.perf_counter() - t0
+    seconds["codegen"] = time.perf_counter() - t0 - tuning.get("seconds", 0.0)
     key = cache_key(source, device_type, VERSION, _triton_version())
     t0 = time.perf_counter()
     module = load_module(key, source, interpret=device_type != "cuda")
     seconds["load"] = time.perf_counter() - t0
+    if device_type == "cuda" and infos:
+        _compile_kernels(module, infos, plan, list(example_inputs) + list(captured.constants),
+                         parallel, tuning, result["report"])
     result.update(
         kernels=infos, source=source, plan=plan, module=module, launch=module.call,
         fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
@@ -131,6 +139,33 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     for k in seconds:
         seconds[k] = round(seconds[k], 4)
     return result
+
+
+def _parallel(options, example_inputs) -> bool:
+    """Kernels compiled in parallel_compile's pool: on a GPU, unless turned off."""
+    from .runtime.parallel_compile import enabled
+    on_gpu = bool(example_inputs) and example_inputs[0].device.type == "cuda"
+    return on_gpu and enabled(options.parallel_compile)
+
+
+def _compile_kernels(module, infos, plan, inputs, parallel: bool, tuning: dict, report: dict) -> None:
+    """The final module's kernels compiled in the pool before their first launch (where
+    they are not the candidates compiled while choosing configurations: timed ones), and
+    the ``compile`` stage: those seconds and the candidates' (compiled, or only loaded, and
+    launched once). ``report["compile"]`` says what the pool did for each."""
+    seconds = tuning.get("seconds", 0.0)
+    outcomes = {"candidates": tuning.get("pool")}
+    if parallel:
+        from .runtime.parallel_compile import module_launches, precompile
+        outcomes["module"] = precompile(module_launches(module, infos, plan, inputs))
+        seconds += outcomes["module"].seconds
+    report["seconds"]["compile"] = seconds
+    outcomes = {k: o for k, o in outcomes.items() if o is not None}
+    if outcomes:
+        report["compile"] = {k: o.as_dict() for k, o in outcomes.items()}
+        notes = list(dict.fromkeys(o.note for o in outcomes.values() if o.note))
+        if notes:
+            report["note"] = "; ".join([report["note"]] + notes if report.get("note") else notes)
 
 
 def _interpreter_ready() -> bool:

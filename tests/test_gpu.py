@@ -52,3 +52,84 @@ def test_kernel_without_a_runnable_config_runs_in_eager_with_the_reason(monkeypa
     (fallback,) = compiled.fallbacks
     assert "runs with none of its 1 configurations" in fallback.reason
     assert "OutOfResources" in fallback.reason
+
+
+# --- parallel kernel compilation (eqfuse/runtime/parallel_compile.py) ---------------------------
+
+def gelu_mlp_softmax(x, w1, w2):
+    h = torch.nn.functional.gelu(x @ w1)
+    return torch.softmax((h @ w2).float(), -1).to(x.dtype), h.sum(0)
+
+
+def _mlp_inputs(rows):
+    """Rows differ from test to test: a module loaded before (same source) would reuse its
+    kernels from memory and compile nothing."""
+    torch.manual_seed(0)
+    return (torch.randn(rows, 256, device="cuda", dtype=torch.float16),
+            torch.randn(256, 192, device="cuda", dtype=torch.float16) / 16,
+            torch.randn(192, 160, device="cuda", dtype=torch.float16) / 16)
+
+
+@pytest.fixture
+def fresh_caches(monkeypatch, tmp_path):
+    """Empty Triton and eqfuse caches (autotuning choices included): every kernel compiles."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path / "eqfuse"))
+
+
+@pytest.fixture
+def jit_compiles():
+    """The kernels this process's Triton compiles (cache misses) during the test: with the
+    pool, none, since the JIT must find each one compiled under the key it computes."""
+    from triton import knobs
+    misses = []
+
+    def listen(src, metadata, metadata_group, times, cache_hit):
+        if not cache_hit:
+            misses.append(src.name)
+    old, knobs.compilation.listener = knobs.compilation.listener, listen
+    yield misses
+    knobs.compilation.listener = old
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_pool_compiles_every_kernel_before_its_first_launch(fresh_caches, jit_compiles, autotune):
+    inputs = _mlp_inputs(97 + autotune)
+    compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=autotune, cuda_graphs=False)
+    assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
+    assert jit_compiles == []  # candidates, the final module, and the call: all loaded from the cache
+    cand, final = compiled.report["compile"]["candidates"], compiled.report["compile"]["module"]
+    assert cand["compiled_in_pool"] == cand["kernels"] >= len(compiled.kernels) >= 2, cand
+    if autotune:  # every timed candidate
+        assert cand["kernels"] > len(compiled.kernels)
+    else:  # the untimed build's choices are the final module: nothing left to compile
+        assert (final["kernels"], final["cached"]) == (len(compiled.kernels),) * 2, final
+    assert compiled.report["seconds"]["compile"] > 0
+    assert "note" not in compiled.report
+
+
+def test_without_the_pool_kernels_compile_at_their_first_launch(fresh_caches, jit_compiles):
+    """The control of the test above: the listener does see the JIT's compiles."""
+    inputs = _mlp_inputs(99)
+    compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=False, cuda_graphs=False, parallel_compile=False)
+    assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
+    assert sorted(jit_compiles) == sorted(k.name for k in compiled.kernels)
+    assert "compile" not in compiled.report
+
+
+def test_a_pool_that_fails_leaves_kernels_to_the_first_launch(fresh_caches, jit_compiles, monkeypatch):
+    import sys
+
+    from eqfuse.runtime import parallel_compile as pc
+    pc.shutdown()  # the next pool starts workers that exit at once
+    monkeypatch.setattr(pc, "_worker_command", lambda: [sys.executable, "-c", "raise SystemExit(5)"])
+    try:
+        inputs = _mlp_inputs(101)
+        compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=False, cuda_graphs=False)
+        assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
+        assert "compile pool failed, kernels compile serially at first launch" in compiled.report["note"]
+        assert "exit code 5" in compiled.report["note"]
+        assert sorted(jit_compiles) == sorted(k.name for k in compiled.kernels)
+        assert not compiled.fallbacks
+    finally:
+        pc.shutdown()  # later tests start a working pool

@@ -23,6 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,10 +82,14 @@ def _scratch_tensors(plan, example_inputs, constants) -> dict:
     return tensors
 
 
-def choose_configs(plan, infos, title, version, example_inputs, constants, measure: bool = True) -> dict:
+def choose_configs(plan, infos, title, version, example_inputs, constants, measure: bool = True,
+                   parallel: bool = False, stats: dict | None = None) -> dict:
     """kernel name -> config. Each trial regenerates the kernel for its config, so the masks
     always match the block sizes. ``measure=False`` (or ``EQFUSE_AUTOTUNE=0``) takes the
-    first configuration that launches, in the model's order, and stores nothing."""
+    first configuration that launches, in the model's order, and stores nothing.
+    ``parallel``: the candidates are compiled in parallel_compile's pool before their first
+    launch; ``stats`` (a dict) gets the seconds spent compiling and launching candidates
+    and the pool's outcome."""
     measure = measure and os.environ.get("EQFUSE_AUTOTUNE", "1") != "0"
     device = torch.cuda.get_device_name()
     store = _load_store()
@@ -99,17 +106,42 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
             pending.append((info, key))
     if not pending:
         return chosen
-    _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure)
+    outcome, seconds = _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure,
+                                    parallel)
+    if stats is not None:
+        stats["seconds"] = seconds
+        stats["pool"] = outcome
     return chosen
 
 
-def _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure) -> None:
+def _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure, parallel):
+    """Fills ``chosen`` for the ``pending`` kernels. Returns the pool's outcome (or None) and
+    the seconds spent compiling candidates and launching each once (not timing them)."""
     tensors = _scratch_tensors(plan, example_inputs, constants)
+    walk = kgen.tuning_candidates if measure else kgen.fallback_candidates
+    candidates = {info.name: walk(info.schedule) for info, _ in pending}
+    # The candidates a first pass launches (every one when timing, else each kernel's first),
+    # in modules of one candidate per kernel: an untimed build's first choices are one
+    # module, the same text as the final one, whose first launches then find them compiled.
+    rounds = max(map(len, candidates.values())) if measure else 1
+    prepared: dict = {}
+    for r in range(rounds):
+        cfgs = {name: c[r] for name, c in candidates.items() if r < len(c)}
+        prepared.update(_prepare_round(plan, title, version, {**chosen, **cfgs}, list(cfgs), r, tensors))
+    outcome, seconds = None, 0.0
+    if parallel:
+        from .parallel_compile import precompile
+        outcome = precompile([(p.launcher, p.args) for p in prepared.values() if isinstance(p, Candidate)])
+        seconds += outcome.seconds
     for info, key in pending:
-        candidates = kgen.tuning_candidates(info.schedule) if measure else kgen.fallback_candidates(info.schedule)
         runs, failure = [], ""
-        for cfg in candidates:
-            launch, failure = _launcher(plan, title, version, chosen, info.name, cfg, tensors)
+        for i, cfg in enumerate(candidates[info.name]):
+            candidate = prepared.get((info.name, i))
+            if candidate is None:  # a later choice of an untimed build: in a module of its own
+                candidate = _prepare(plan, title, version, {**chosen, info.name: cfg}, info.name, tensors)
+            t0 = time.perf_counter()
+            launch, failure = _first_launch(candidate)
+            seconds += time.perf_counter() - t0
             if launch is None:
                 log.info("eqfuse: %s with %s does not run: %s", info.name, cfg, failure)
                 continue
@@ -118,7 +150,7 @@ def _try_configs(pending, chosen, plan, title, version, example_inputs, constant
                 break
         if not runs:
             raise NoRunnableConfig(f"kernel {info.name} ({info.schedule.describe()}) runs with none of its "
-                                   f"{len(candidates)} configurations; the last said {failure}")
+                                   f"{len(candidates[info.name])} configurations; the last said {failure}")
         if not measure:
             chosen[info.name] = runs[0][0]
             continue
@@ -128,21 +160,60 @@ def _try_configs(pending, chosen, plan, title, version, example_inputs, constant
         best = min(range(len(runs)), key=times.__getitem__)
         chosen[info.name] = runs[best][0]
         _save(key, runs[best][0])
+    return outcome, seconds
 
 
-def _launcher(plan, title, version, chosen, name, cfg, tensors):
-    """(the kernel's launcher with ``cfg``, launched once, or None; why not). A TMA kernel
-    whose tensors TMA cannot take (an input not 16-byte aligned) is not a candidate: its
-    launcher would run the kernel without TMA in its place."""
-    src, infos = generate_module(plan, title, version, {**chosen, name: cfg})
-    info = next(i for i in infos if i.name == name)
-    if any(tensors[p].data_ptr() % 16 for p in info.aligned):
-        return None, "an input TMA would read is not 16-byte aligned"
+@dataclass
+class Candidate:
+    """One kernel of a loaded module, and the tensors to launch it on."""
+    launcher: Any
+    args: list
+
+
+def _prepare_round(plan, title, version, configs, names, r, tensors) -> dict:
+    """(kernel name, r) -> Candidate (or why it is none) for each of ``names``, all from one
+    module generated with ``configs``."""
     try:
-        mod = load_module(cache_key(src, "tune"), src, interpret=False)
-        launcher = getattr(mod, f"{name}_launch")
-        args = [tensors[p] for p in info.params]
-        launcher(*args)  # compiles it
+        mod, infos = _load(plan, title, version, configs)
+    except Exception as e:  # noqa: BLE001 - each kernel then gets a module of its own
+        log.info("eqfuse: round %d of candidates does not load: %s", r, e)
+        return {}
+    by_name = {i.name: i for i in infos}
+    return {(name, r): _candidate(mod, by_name[name], tensors) for name in names}
+
+
+def _prepare(plan, title, version, configs, name, tensors):
+    try:
+        mod, infos = _load(plan, title, version, configs)
+    except Exception as e:  # noqa: BLE001 - a config the code generator or Python rejects
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return _candidate(mod, next(i for i in infos if i.name == name), tensors)
+
+
+def _load(plan, title, version, configs):
+    src, infos = generate_module(plan, title, version, configs)
+    return load_module(cache_key(src, "tune"), src, interpret=False), infos
+
+
+def _candidate(mod, info, tensors):
+    """The kernel's Candidate, or why it is none. A TMA kernel whose tensors TMA cannot take
+    (an input not 16-byte aligned) is not a candidate: its launcher would run the kernel
+    without TMA in its place."""
+    if any(tensors[p].data_ptr() % 16 for p in info.aligned):
+        return "an input TMA would read is not 16-byte aligned"
+    launcher = getattr(mod, f"{info.name}_launch", None)
+    if launcher is None:
+        return "the module has no launcher for it (a zero-size kernel)"
+    return Candidate(launcher, [tensors[p] for p in info.params])
+
+
+def _first_launch(candidate):
+    """(the candidate's launch, launched once, or None; why not)."""
+    if not isinstance(candidate, Candidate):
+        return None, candidate
+    launcher, args = candidate.launcher, candidate.args
+    try:
+        launcher(*args)  # compiles it, unless the pool has
         torch.cuda.synchronize()
     except Exception as e:  # a config the compiler rejects (shared memory, registers...)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -152,8 +223,6 @@ def _launcher(plan, title, version, chosen, name, cfg, tensors):
 def _interleaved_us(launches: list) -> list[float]:
     """Median microseconds of each launch over ROUNDS rounds that time every launch once
     (L2 flushed before each call), after SETTLE_MS of the first launch back to back."""
-    import time
-
     import triton.testing
 
     end = time.perf_counter() + SETTLE_MS / 1e3

@@ -35,6 +35,9 @@ class Options:
     autotune: bool = True
     validate: bool = True  # check the extracted plan against the graph on the example inputs
     cuda_graphs: bool = True  # replay launches from CUDA graphs when inputs come back at the same addresses
+    # compile the kernels in a pool of worker processes before their first launch, not one
+    # after the other as they are first launched (GPU only; EQFUSE_PARALLEL_COMPILE=0 turns it off)
+    parallel_compile: bool = True
 
     @classmethod
     def make(cls, **kw):

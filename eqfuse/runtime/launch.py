@@ -143,6 +143,13 @@ class KernelLauncher:
             return
         compiled(torch._C._cuda_getCurrentRawStream(device), ptrs, tensors)
 
+    def resolve(self, tensors) -> KernelLauncher:
+        """The launcher that runs for ``tensors``: this one, or, where an address TMA needs
+        aligned is not, the twin without TMA (what parallel_compile compiles ahead)."""
+        if self.need and self._alignment(tensors) & self.need != self.need:
+            return self.otherwise.resolve(tensors)
+        return self
+
     @staticmethod
     def _alignment(tensors) -> int:
         bits = 0

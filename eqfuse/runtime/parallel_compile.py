@@ -1,0 +1,411 @@
+"""Compiling a module's Triton kernels in worker processes before their first launch.
+
+Triton compiles a ``@jit`` kernel lazily, at its first launch, in the launching process:
+a graph of 36 kernels compiled them one after the other, about 24 s of a Llama layer's
+cold compile on an H100. As Inductor does, eqfuse hands them to a pool of worker
+processes instead: each worker runs ``triton.compile`` for a kernel exactly as the JIT
+would, which fills Triton's on-disk cache (and builds the kernel's C launcher), so the
+first launch in this process only loads the binary.
+
+"Exactly as the JIT would" is what makes this work: the specialisation key must be the
+same or the first launch compiles again. ``specialisation`` reads it with the JIT's own
+binder and argument packing (Triton 3.6's ``JITFunction.run`` and ``_pack_args``) from
+the launch's arguments: the dtype of every pointer, whether its address is 16-byte
+aligned (real tensors, or ``Pointer`` for a launch whose tensors do not exist yet), the
+constexprs and num_warps/num_stages. The worker loads the same generated file (Triton
+hashes the kernel's source and its line number) and gets this process's cache-
+invalidating environment, so both hash the same key.
+
+The pool starts once per process, when the first CUDA graph is built (its workers import
+torch and Triton while the graph is captured and saturated), with one worker per CPU (at
+most 32; ``EQFUSE_COMPILE_WORKERS`` sets the number), and stops at exit. Kernels already
+in Triton's cache are not sent. Whatever goes wrong (a worker that does not start or
+dies, a Triton that packs arguments otherwise) leaves the kernels to the JIT, compiled at
+their first launch as before, with a one-line note in the graph's report. Off on the
+CPU (the interpreter compiles nothing), with ``parallel_compile=False`` or
+``EQFUSE_PARALLEL_COMPILE=0``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import pickle
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_SWITCH = "EQFUSE_PARALLEL_COMPILE"  # "0" turns the pool off
+ENV_WORKERS = "EQFUSE_COMPILE_WORKERS"  # number of worker processes
+ENV_TIMEOUT = "EQFUSE_COMPILE_TIMEOUT"  # seconds one kernel may take in a worker
+MAX_WORKERS = 32  # as Inductor caps its compile threads
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def enabled(option: bool = True) -> bool:
+    """The option, unless ``EQFUSE_PARALLEL_COMPILE=0`` turns it off."""
+    return option and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def worker_count() -> int:
+    env = os.environ.get(ENV_WORKERS)
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            pass
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return min(MAX_WORKERS, cpus)
+
+
+class Pointer:
+    """What Triton's JIT reads of a tensor argument to specialise a kernel on it: the dtype,
+    and whether the address is a multiple of 16 bytes."""
+
+    def __init__(self, dtype, aligned: bool = True):
+        self.dtype = dtype
+        self.aligned = aligned
+
+    def data_ptr(self) -> int:
+        return 0 if self.aligned else 8
+
+    def __repr__(self):
+        return f"Pointer({self.dtype}, aligned={self.aligned})"
+
+
+@dataclass
+class Job:
+    """One kernel to compile: where its function lives, and its specialisation."""
+    path: str  # the generated module's file
+    name: str  # the @jit function in it
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict  # the backend options' fields, as the JIT passes them to triton.compile
+    target: tuple  # GPUTarget's (backend, arch, warp_size)
+    env_vars: dict  # Triton's cache-invalidating environment, as this process sees it
+    cache_dir: str
+    hash: str = ""  # the cache key triton.compile will file it under
+
+
+@dataclass
+class Outcome:
+    """What one precompile did, for the graph's report."""
+    kernels: int = 0  # distinct kernel specialisations asked for
+    cached: int = 0  # already in Triton's cache
+    compiled: int = 0  # compiled by the pool
+    workers: int = 0
+    seconds: float = 0.0
+    failed: list = field(default_factory=list)  # "kernel: why": left to compile at first launch
+    note: str = ""  # why the pool was not used, where it was meant to be
+
+    def as_dict(self) -> dict:
+        d = {"kernels": self.kernels, "cached": self.cached, "compiled_in_pool": self.compiled,
+             "workers": self.workers, "seconds": round(self.seconds, 4)}
+        if self.failed:
+            d["failed"] = list(self.failed)
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+# --- the specialisation, read as the JIT reads it -------------------------------------------
+
+def current_target() -> tuple:
+    from triton.runtime import driver
+    t = driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
+
+
+def _backend(target: tuple):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    return make_backend(GPUTarget(*target))
+
+
+def specialisation(launcher, args, target: tuple, backend=None) -> Job:
+    """The job that compiles what ``launcher(*args)`` would compile at its first launch:
+    the launcher's own kernel, or its twin without TMA where an address is not aligned."""
+    from triton import knobs
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.runtime.jit import create_function_from_signature
+
+    launcher = launcher.resolve(args)
+    fn = launcher.fn
+    backend = backend or _backend(target)
+    # JITFunction.run: the call's keywords, with the two it adds itself
+    kwargs = {**launcher.constexprs, **launcher.options}
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, spec, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, spec, options)
+    job = Job(path=fn.fn.__code__.co_filename, name=fn.fn.__name__, signature=signature, constexprs=constexprs,
+              attrs=attrs, options=dict(options.__dict__), target=tuple(target),
+              env_vars=get_cache_invalidating_env_vars(), cache_dir=knobs.cache.dir)
+    job.hash = _cache_hash(fn, job, backend)
+    return job
+
+
+def _cache_hash(fn, job: Job, backend) -> str:
+    """The key triton.compile files the kernel under (its first lines, as of Triton 3.6)."""
+    from triton.compiler import ASTSource
+    from triton.runtime.cache import get_cache_key
+
+    src = ASTSource(fn, job.signature, job.constexprs, job.attrs)
+    options = backend.parse_options(dict(job.options, **src.parse_options()))
+    return hashlib.sha256(get_cache_key(src, backend, options, env_vars=job.env_vars).encode("utf-8")).hexdigest()
+
+
+def is_cached(job: Job) -> bool:
+    """Whether Triton's cache holds the compiled kernel (its metadata file, written last)."""
+    from triton.runtime.cache import get_cache_manager
+
+    metadata = f"{job.name[:150]}.json"  # triton.compile's file name for it
+    group = get_cache_manager(job.hash).get_group(metadata)
+    return bool(group) and metadata in group
+
+
+# --- the pool -------------------------------------------------------------------------------
+
+def _worker_command() -> list[str]:
+    return [sys.executable, "-m", "eqfuse.runtime.compile_worker"]
+
+
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "0"  # a worker compiles: never Triton's interpreter
+    env["CUDA_VISIBLE_DEVICES"] = ""  # and needs no GPU: the target is explicit, no context is made
+    package_root = str(Path(__file__).resolve().parents[2])  # the workers import this eqfuse
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class _Worker:
+    def __init__(self):
+        self.log = tempfile.TemporaryFile()  # its stderr: the reason, should it die
+        self.proc = subprocess.Popen(_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, env=_worker_env(), close_fds=True)
+
+    def compile(self, job: Job, timeout: float) -> dict:
+        """The worker's reply to ``job``; raises OSError when the worker is gone or stuck."""
+        try:
+            pickle.dump(job, self.proc.stdin)
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as e:
+            raise OSError(f"compile worker gone: {self.why()}") from e
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.kill()
+            raise OSError(f"compile worker took more than {timeout:.0f} s on {job.name}; stopped")
+        try:
+            return pickle.load(self.proc.stdout)
+        except (EOFError, pickle.UnpicklingError, OSError) as e:
+            raise OSError(f"compile worker died on {job.name}: {self.why()}") from e
+
+    def why(self) -> str:
+        try:
+            code = self.proc.wait(2)  # it closed its end: it is exiting
+        except subprocess.TimeoutExpired:
+            code = None
+        try:
+            self.log.seek(0)
+            lines = [ln for ln in self.log.read().decode(errors="replace").splitlines() if ln.strip()]
+        except (OSError, ValueError):
+            lines = []
+        last = lines[-1].strip() if lines else "no message"
+        return f"exit code {code}, {last}" if code is not None else last
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def close(self, timeout: float = 2.0):
+        try:
+            self.proc.stdin.close()  # a worker stops at the end of its input
+            self.proc.wait(timeout)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            self.kill()
+        self.log.close()
+
+
+class CompilePool:
+    """Worker processes that compile kernels into Triton's cache, started once. A worker
+    that dies is not replaced: the pool is then broken, and its callers compile serially."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.workers: list[_Worker] = []
+        self.broken = ""  # why the pool cannot be used, once it cannot
+        self.lock = threading.Lock()  # one batch at a time
+        self.timeout = float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+
+    def start(self) -> None:
+        """Starts the workers without waiting for them (they import torch and Triton)."""
+        if self.workers or self.broken:
+            return
+        try:
+            self.workers = [_Worker() for _ in range(self.size)]
+        except OSError as e:
+            self.broken = f"could not start compile workers: {e}"
+            self.close()
+
+    def compile(self, jobs: list[Job]) -> list[dict]:
+        """A reply for every job, in order: ``{"hash": ...}`` or ``{"error": ...}``."""
+        with self.lock:
+            self.start()
+            if self.broken:
+                return [{"error": self.broken}] * len(jobs)
+            replies: list[dict | None] = [None] * len(jobs)
+            queue = list(range(len(jobs)))
+            queue_lock = threading.Lock()
+
+            def serve(worker: _Worker):
+                while True:
+                    with queue_lock:
+                        if not queue or self.broken:
+                            return
+                        i = queue.pop(0)
+                    try:
+                        replies[i] = worker.compile(jobs[i], self.timeout)
+                    except OSError as e:
+                        replies[i] = {"error": str(e)}
+                        self.broken = str(e)  # a dead worker: the next graphs compile serially
+                        return
+
+            threads = [threading.Thread(target=serve, args=(w,), daemon=True) for w in self.workers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if self.broken:
+                self.close()
+            left = self.broken or "not compiled"
+            return [r if r is not None else {"error": left} for r in replies]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.workers = []
+
+
+_pool: CompilePool | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def pool() -> CompilePool:
+    """This process's pool (a forked child makes its own: the pipes are its parent's)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool, _pool_pid = CompilePool(worker_count()), os.getpid()
+            atexit.register(_pool.close)
+        return _pool
+
+
+def prestart() -> None:
+    """Starts the pool's workers now, so that they are ready when the kernels are."""
+    if worker_count() >= 2:
+        pool().start()
+
+
+def shutdown() -> None:
+    """Stops the pool's workers (a later precompile starts new ones)."""
+    global _pool
+    with _pool_lock:
+        if _pool is not None and _pool_pid == os.getpid():
+            _pool.close()
+        _pool = None
+
+
+# --- the entry point ------------------------------------------------------------------------
+
+def precompile(launches, target: tuple | None = None) -> Outcome:
+    """Compiles, in the pool, every kernel ``launcher(*args)`` would compile at its first
+    launch, for each ``(launcher, args)`` of ``launches``; ``args`` are tensors or
+    ``Pointer``. Never raises: what it cannot do, the JIT does at the first launch."""
+    start = time.perf_counter()
+    out = Outcome()
+    try:
+        target = target or current_target()
+        backend = _backend(target)
+        jobs = {}
+        for launcher, args in launches:
+            job = specialisation(launcher, args, target, backend)
+            jobs.setdefault(job.hash, job)
+    except Exception as e:  # noqa: BLE001 - a Triton that binds arguments otherwise: compile serially
+        out.note = f"kernels compile at first launch: could not read their specialisation ({_one_line(e)})"
+        out.seconds = time.perf_counter() - start
+        return out
+    out.kernels = len(jobs)
+    todo = [j for j in jobs.values() if not is_cached(j)]
+    out.cached = out.kernels - len(todo)
+    if len(todo) >= 1:
+        _compile_in_pool(todo, out)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _compile_in_pool(todo: list[Job], out: Outcome) -> None:
+    size = worker_count()
+    if size < 2:
+        out.note = f"kernels compile at first launch: {size} compile worker(s) (one CPU or {ENV_WORKERS})"
+        return
+    p = pool()
+    out.workers = p.size
+    for job, reply in zip(todo, p.compile(todo)):
+        if "error" in reply:
+            if reply["error"] != p.broken:  # a kernel Triton refused (the JIT will say why again)
+                out.failed.append(f"{job.name}: {reply['error']}")
+        elif reply.get("hash") != job.hash:  # never seen: it would compile again at first launch
+            out.failed.append(f"{job.name}: compiled under another key than the JIT's")
+        else:
+            out.compiled += 1
+    if p.broken:
+        out.note = f"compile pool failed, kernels compile serially at first launch: {p.broken}"
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+# --- launches of a loaded module ------------------------------------------------------------
+
+def _aligned(t) -> bool:
+    """Whether a tensor's address is 16-byte aligned; for a fake tensor, its offset in a
+    storage that is (torch's allocator aligns storages to 512 bytes)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return t.storage_offset() * t.element_size() % 16 == 0
+    return t.data_ptr() % 16 == 0
+
+
+def module_launches(module, infos, plan, inputs) -> list:
+    """``(launcher, args)`` for every kernel of a loaded generated module, as ``call`` will
+    first launch it: buffers the module allocates are aligned, the graph's inputs (and
+    constants) as the example inputs are. An eager step's output is taken to be aligned;
+    where it is not, the kernel that reads it compiles at its first launch."""
+    from ..schema import ops
+
+    aligned = {b.name: _aligned(t) for b, t in zip(plan.inputs, inputs)}
+    launches = []
+    for info in infos:
+        launcher = getattr(module, f"{info.name}_launch", None)
+        if launcher is None:  # a zero-size kernel: never launched
+            continue
+        args = [Pointer(ops.DTYPES[plan.buffers[p].dtype], aligned.get(p, True)) for p in info.params]
+        launches.append((launcher, args))
+    return launches

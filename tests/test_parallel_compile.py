@@ -1,0 +1,185 @@
+"""Parallel kernel compilation (eqfuse/runtime/parallel_compile.py) without a GPU: the
+option and its switch, the pieces that decide what the JIT would compile, and the pool
+itself, which compiles for an NVIDIA target on any host (Triton bundles ptxas). The pool
+runs in a child process with Triton's interpreter off, as triton_aot's tests do: a process
+whose Triton interprets cannot compile. On a GPU, tests/test_gpu.py checks that the first
+launches find every kernel compiled."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import assert_matches
+
+import eqfuse
+import eqfuse.backend
+from eqfuse.runtime import parallel_compile as pc
+from eqfuse.runtime.launch import KernelLauncher
+
+
+def rmsnorm(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+
+def test_option_defaults_on_and_is_declared():
+    assert eqfuse.Options().parallel_compile is True
+    assert eqfuse.Options.make(parallel_compile=False).parallel_compile is False
+    with pytest.raises(TypeError, match="parallel_compile"):  # the known options are listed
+        eqfuse.Options.make(parallel_compiles=False)
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True), (None, True)])
+def test_environment_switch(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(pc.ENV_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(pc.ENV_SWITCH, value)
+    assert pc.enabled(True) is on
+    assert pc.enabled(False) is False
+
+
+def test_worker_count_follows_the_environment(monkeypatch):
+    monkeypatch.setenv(pc.ENV_WORKERS, "3")
+    assert pc.worker_count() == 3
+    monkeypatch.delenv(pc.ENV_WORKERS)
+    assert 1 <= pc.worker_count() <= pc.MAX_WORKERS
+
+
+def test_backend_passes_the_option_on():
+    x, w = torch.randn(4, 33), torch.rand(33)
+    eqfuse.backend.history.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(rmsnorm, backend="eqfuse", options={"parallel_compile": False})
+    assert_matches(compiled(x, w), rmsnorm(x, w))
+    assert eqfuse.backend.history[-1].options.parallel_compile is False
+    torch._dynamo.reset()
+
+
+def test_off_on_the_cpu(monkeypatch):
+    def no_pool():
+        raise AssertionError("the pool was asked for")
+    monkeypatch.setattr(pc, "pool", no_pool)
+    x, w = torch.randn(4, 35, device="cpu"), torch.rand(35, device="cpu")
+    compiled = eqfuse.compile(rmsnorm, (x, w))
+    assert_matches(compiled(x, w), rmsnorm(x, w))
+    assert "compile" not in compiled.report and "internal error" not in compiled.report.get("note", "")
+    assert "compile" not in compiled.report["seconds"]
+
+
+def test_resolve_picks_the_twin_without_tma_for_an_unaligned_address():
+    plain = KernelLauncher(object(), (1,), {})
+    tma = KernelLauncher(object(), (1,), {}, aligned=0b10, otherwise=plain)  # the first of two tensors
+    f16 = torch.float16
+    assert tma.resolve([pc.Pointer(f16), pc.Pointer(f16, aligned=False)]) is tma
+    assert tma.resolve([pc.Pointer(f16, aligned=False), pc.Pointer(f16)]) is plain
+
+
+def test_module_launches_take_the_alignment_of_the_inputs():
+    base = torch.randn(8 * 40 + 1)
+    x, w = base[1:].view(8, 40), torch.rand(40)  # x starts 4 bytes into its storage
+    compiled = eqfuse.compile(rmsnorm, (x, w))
+    v = compiled._main
+    launches = pc.module_launches(v.module, v.kernels, v.plan, [x, w])
+    assert len(launches) == len(v.kernels) >= 1
+    by_name = {b.name: t for b, t in zip(v.plan.inputs, (x, w))}
+    for (launcher, args), info in zip(launches, v.kernels):
+        assert launcher is getattr(v.module, f"{info.name}_launch")
+        for p, a in zip(info.params, args):
+            assert a.dtype == torch.float32
+            assert a.aligned is (by_name.get(p) is not x)  # buffers eqfuse allocates are aligned
+
+
+CHILD = r"""
+import json, sys, importlib.util, torch
+from triton import knobs
+from eqfuse.runtime import parallel_compile as pc
+
+TARGET = ("cuda", 90, 32)
+spec = importlib.util.spec_from_file_location("generated", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+launcher = next(v for k, v in vars(module).items() if k.endswith("_launch"))
+n = len(launcher.fn.arg_names) - len(launcher.constexprs)
+aligned = [pc.Pointer(torch.float16)] * n
+shifted = [pc.Pointer(torch.float16, aligned=False)] + aligned[1:]
+out = {}
+out["first"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
+out["again"] = pc.precompile([(launcher, aligned), (launcher, aligned)], TARGET).as_dict()
+out["shifted"] = pc.precompile([(launcher, shifted)], TARGET).as_dict()
+
+# What the JIT does at the first launch (JITFunction._do_compile): triton.compile with the
+# specialisation it reads; the pool's work must make it a cache hit.
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+hits = []
+knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+for args in (aligned, shifted):
+    job = pc.specialisation(launcher, args, TARGET)
+    triton.compile(ASTSource(launcher.fn, job.signature, job.constexprs, job.attrs),
+                   target=GPUTarget(*TARGET), options=job.options)
+out["jit_cache_hits"] = hits
+out["attrs"] = [str(pc.specialisation(launcher, a, TARGET).attrs) for a in (aligned, shifted)]
+
+# A pool whose workers cannot start: a note, no exception, nothing compiled.
+pc.shutdown()
+dead = "import sys; print('no compiler here', file=sys.stderr); sys.exit(3)"
+pc._worker_command = lambda: [sys.executable, "-c", dead]
+knobs.cache.dir = sys.argv[2]
+out["broken"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
+out["still_broken"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
+pc.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def child_run(tmp_path_factory):
+    """The scenarios of CHILD, run once in a process that compiles (see the module's doc)."""
+    tmp = tmp_path_factory.mktemp("parallel_compile")
+    x, w = torch.randn(16, 100, dtype=torch.float16), torch.rand(100, dtype=torch.float16)
+    source = eqfuse.compile(rmsnorm, (x, w)).source
+    path = tmp / "generated.py"
+    path.write_text(source)
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", TRITON_CACHE_DIR=str(tmp / "triton"))
+    env[pc.ENV_WORKERS] = "2"
+    env.pop(pc.ENV_SWITCH, None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), str(tmp / "triton-empty")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_pool_compiles_into_tritons_cache(child_run):
+    first = child_run["first"]
+    assert (first["kernels"], first["cached"], first["compiled_in_pool"]) == (1, 0, 1), first
+    assert first["workers"] == 2 and "failed" not in first and "note" not in first
+
+
+def test_kernels_in_the_cache_are_not_sent_again(child_run):
+    again = child_run["again"]  # the same launch twice: one kernel, found in the cache
+    assert (again["kernels"], again["cached"], again["compiled_in_pool"]) == (1, 1, 0), again
+
+
+def test_alignment_is_part_of_the_specialisation(child_run):
+    aligned, shifted = child_run["attrs"]
+    assert aligned != shifted and "tt.divisibility" in aligned
+    assert child_run["shifted"]["compiled_in_pool"] == 1  # another binary, compiled too
+
+
+def test_the_jits_compile_hits_what_the_pool_compiled(child_run):
+    assert child_run["jit_cache_hits"] == [True, True]
+
+
+def test_a_pool_that_cannot_start_leaves_kernels_to_the_first_launch(child_run):
+    for case in ("broken", "still_broken"):
+        out = child_run[case]
+        assert out["compiled_in_pool"] == 0 and out["cached"] == 0, out
+        assert out["note"].startswith("compile pool failed, kernels compile serially at first launch"), out
+    assert "no compiler here" in child_run["broken"]["note"]  # the worker's last words
