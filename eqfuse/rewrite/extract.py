@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from ..codegen.kernel import generate, schedule_of
+from ..codegen.kernel import generate
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
 from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides
@@ -265,8 +265,8 @@ class Extractor:
         M, host = set(forced), {}
         memo: dict = {}
 
-        def evaluate(M, host):
-            return self._evaluate(order, M, host, memo)
+        def evaluate(M, host, base=None):
+            return self._evaluate(order, M, host, memo, base)
 
         unfused = evaluate(set(forced) | set(candidates), {})
         state = evaluate(M, host)
@@ -277,7 +277,7 @@ class Extractor:
             if not inside:
                 raise ExtractionError(f"kernel for {self.fx_names(bad) or bad} cannot be scheduled: "
                                       f"{state.reasons[bad]}")
-            trials = [(evaluate(M | {c}, host), c) for c in inside]
+            trials = [(evaluate(M | {c}, host, state), c) for c in inside]
             trials.sort(key=lambda t: (bad in t[0].invalid, len(t[0].invalid), t[0].cost))
             M = M | {trials[0][1]}
             state = trials[0][0]
@@ -286,7 +286,7 @@ class Extractor:
             improved = False
             for c in candidates:
                 trial_m = M - {c} if c in M else M | {c}
-                trial = evaluate(trial_m, host)
+                trial = evaluate(trial_m, host, state)
                 if not trial.invalid and trial.acyclic and trial.cost < state.cost - 1e-9:
                     M, state, improved = trial_m, trial, True
             if not improved:
@@ -305,7 +305,7 @@ class Extractor:
                 # c's kernel, with everything it stores, moves into p's.
                 trial_host = {k: (p if v == c else v) for k, v in host.items()}
                 trial_host[c] = p
-                trial = evaluate(M, trial_host)
+                trial = evaluate(M, trial_host, state)
                 if not trial.invalid and trial.acyclic and trial.cost < state.cost - 1e-9:
                     host, state = trial_host, trial
                     break
@@ -321,50 +321,65 @@ class Extractor:
             self._buffer_names[c] = f"buf_{names[0]}" if names else f"buf_{c.rsplit('-', 1)[-1]}"
         return self._buffer_names[c]
 
-    def _evaluate(self, order, M, host, memo):
-        buffers = self._buffers(M)
-        st = _State()
+    def _evaluate(self, order, M, host, memo, base: _State | None = None) -> _State:
+        """The plan that materialises ``M`` (with the values in ``host`` stored by the kernel
+        named there), costed. Local search evaluates a thousand plans and more per graph, each
+        one move away from ``base``: a kernel of ``base`` whose form the move cannot change
+        (none of the classes its build looked at changed membership of ``M``, it stores the
+        same values) is taken as it is, so that only the kernels around the move are built."""
+        st = _State(M, host, self)
         hosted_by: dict[str, list[str]] = {}
         for c, p in host.items():
             hosted_by.setdefault(p, []).append(c)
+        moved = M ^ base.M if base is not None else None  # host changes show in a kernel's extra
+        buffers: dict = {}  # built at the first kernel that must be costed
         for c in order:
             if c not in M or c in host:
                 continue
-            extra = sorted(hosted_by.get(c, []), key=order.index)
-            # A kernel depends on M only where M meets the values it could inline.
-            region = frozenset().union(*(self._region(x) for x in (c, *extra)))
-            kkey = (c, tuple(extra), frozenset(M & region))
-            if kkey not in self._kernels:
-                self._kernels[kkey] = self._kernel(c, M, extra)
-            spec, inline, loads, reads = self._kernels[kkey]
-            key = (c, tuple(extra), frozenset(inline), frozenset(loads))
-            if key not in memo:
-                try:
-                    sched = schedule_of(spec)
-                    generate(spec, buffers)
-                    passes = 1 if sched.kind == "pointwise" or sched.persistent else \
-                        1 + sum(1 for n in spec.walk() if n.op == "reduce")
-                    memo[key] = (kernel_time_us(spec, buffers, self.device, passes, sched), None)
-                except Unschedulable as e:
-                    memo[key] = (math.inf, str(e))
-            t, reason = memo[key]
-            if loads & {c, *extra}:
-                t, reason = math.inf, "reads a buffer it writes"
-            if reason is not None:
-                st.invalid.append(c)
-                st.reasons[c] = reason
-            st.cost += 0 if math.isinf(t) else t
-            st.specs[c] = spec
-            st.reads[c] = reads
-            st.inline_sets[c] = inline
-            for d in loads:
-                st.loaders.setdefault(d, []).append(c)
-        fallbacks = self._fallback_steps()
-        # Evaluated a thousand times and more per graph: the reads of each step are computed
-        # once (with its kernel, or here for the eager steps), not walked again.
-        graph = _dependency_graph(st.specs, fallbacks, {**st.reads, **self._fallback_reads})
-        st.acyclic = nx.is_directed_acyclic_graph(graph)
+            extra = tuple(sorted(hosted_by.get(c, []), key=order.index))
+            k = base.kernels.get(c) if base is not None else None
+            if k is None or k.extra != extra or not k.looked_at.isdisjoint(moved):
+                if not buffers:
+                    buffers.update(self._buffers(M))
+                k = self._kernel_eval(c, extra, M, memo, buffers)
+            st.add(c, k)
         return st
+
+    def _kernel_eval(self, c, extra: tuple, M, memo, buffers) -> _KernelEval:
+        """The kernel computing ``c`` (and storing ``extra``) under ``M``, with its modelled
+        time, or the reason the code generator cannot schedule it."""
+        # A kernel depends on M only where M meets the values it could inline.
+        region = frozenset().union(*(self._region(x) for x in (c, *extra)))
+        kkey = (c, extra, frozenset(M & region))
+        if kkey not in self._kernels:
+            self._kernels[kkey] = self._kernel(c, M, list(extra))
+        spec, inline, loads, reads = self._kernels[kkey]
+        key = (c, extra, frozenset(inline), frozenset(loads))
+        if key not in memo:
+            memo[key] = self._kernel_time(spec, buffers)
+        t, reason = memo[key]
+        if loads & {c, *extra}:
+            t, reason = math.inf, "reads a buffer it writes"
+        return _KernelEval(extra, spec, inline, loads, reads, t, reason, frozenset(inline) | loads)
+
+    def _kernel_time(self, spec, buffers) -> tuple[float, str | None]:
+        """(modelled microseconds, None), or (inf, why) for a kernel the code generator
+        cannot schedule. Generating its source is part of the check: the writer refuses
+        forms the scheduler lets through."""
+        try:
+            _, sched, _, _ = generate(spec, buffers)
+        except Unschedulable as e:
+            return math.inf, str(e)
+        passes = 1 if sched.kind == "pointwise" or sched.persistent else \
+            1 + sum(1 for n in spec.walk() if n.op == "reduce")
+        return kernel_time_us(spec, buffers, self.device, passes, sched), None
+
+    def _acyclic(self, st: _State) -> bool:
+        # Evaluated a thousand times and more per graph: the reads of each step are computed
+        # once (with its kernel, or once for the eager steps), not walked again.
+        fallbacks = self._fallback_steps()
+        graph = _dependency_graph(st.specs, fallbacks, {**st.reads, **self._fallback_reads})
+        return nx.is_directed_acyclic_graph(graph)
 
     def _region(self, c) -> frozenset:
         """The classes a kernel computing ``c`` could inline (its inline choices, transitively)."""
@@ -521,14 +536,52 @@ def _dependency_graph(kernels: dict, fallbacks: dict, reads: dict | None = None)
     return g
 
 
-@dataclass
-class _State:
-    cost: float = 0.0
-    acyclic: bool = True
+@dataclass(frozen=True)
+class _KernelEval:
+    """One kernel of a plan, costed."""
+    extra: tuple  # the values it stores besides its root (multi-output)
+    spec: KernelSpec
+    inline: list  # the classes it computes
+    loads: set  # the materialised classes it reads
+    reads: set  # the buffer names it reads
+    time: float  # modelled microseconds; inf where it cannot be scheduled
+    reason: str | None  # why it cannot be scheduled
+    looked_at: frozenset  # the classes whose membership of M decided its form
 
-    def __post_init__(self):
-        self.invalid, self.reasons, self.specs, self.inline_sets, self.loaders = [], {}, {}, {}, {}
-        self.reads = {}
+
+class _State:
+    """A plan under evaluation: its kernels by root class, total cost, validity."""
+
+    def __init__(self, M, host, extractor: Extractor):
+        self.M, self.host = M, host
+        self._extractor = extractor
+        self.cost = 0.0
+        self.kernels: dict[str, _KernelEval] = {}
+        self.invalid: list[str] = []  # roots of kernels that cannot be scheduled, in order
+        self.reasons: dict[str, str] = {}
+        self.specs, self.reads, self.inline_sets = {}, {}, {}
+        self.loaders: dict[str, list[str]] = {}  # materialised class -> the kernels reading it
+        self._acyclic: bool | None = None
+
+    def add(self, c, k: _KernelEval):
+        self.kernels[c] = k
+        if k.reason is not None:
+            self.invalid.append(c)
+            self.reasons[c] = k.reason
+        self.cost += 0 if math.isinf(k.time) else k.time
+        self.specs[c] = k.spec
+        self.reads[c] = k.reads
+        self.inline_sets[c] = k.inline
+        for d in k.loads:
+            self.loaders.setdefault(d, []).append(c)
+
+    @property
+    def acyclic(self) -> bool:
+        """Whether the steps can be ordered; computed when first asked (most trial plans
+        are rejected on cost or validity before it matters)."""
+        if self._acyclic is None:
+            self._acyclic = self._extractor._acyclic(self)
+        return self._acyclic
 
 
 def _map_refs(obj, ex: Extractor):
