@@ -58,6 +58,10 @@ def compile_job(job, modules: dict) -> dict:
 
 
 def main() -> int:
+    try:  # a worker yields to the process it works for, which builds the graph meanwhile
+        os.nice(5)
+    except OSError:
+        pass
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever Triton or ptxas prints goes to stderr, not into the replies
     sys.stdout = sys.stderr

@@ -106,11 +106,16 @@ class Outcome:
     workers: int = 0
     seconds: float = 0.0
     failed: list = field(default_factory=list)  # "kernel: why": left to compile at first launch
+    worker_seconds: float = 0.0  # the compiles' own seconds, added up (what one process would take)
+    slowest: tuple = ()  # (kernel, seconds) of the longest compile: the least a batch can take
     note: str = ""  # why the pool was not used, where it was meant to be
 
     def as_dict(self) -> dict:
         d = {"kernels": self.kernels, "cached": self.cached, "compiled_in_pool": self.compiled,
              "workers": self.workers, "seconds": round(self.seconds, 4)}
+        if self.compiled:
+            d["worker_seconds"] = round(self.worker_seconds, 2)
+            d["slowest"] = f"{self.slowest[0]} {self.slowest[1]:.2f} s"
         if self.failed:
             d["failed"] = list(self.failed)
         if self.note:
@@ -372,6 +377,9 @@ def _compile_in_pool(todo: list[Job], out: Outcome) -> None:
             out.failed.append(f"{job.name}: compiled under another key than the JIT's")
         else:
             out.compiled += 1
+            out.worker_seconds += reply["seconds"]
+            if not out.slowest or reply["seconds"] > out.slowest[1]:
+                out.slowest = (job.name, reply["seconds"])
     if p.broken:
         out.note = f"compile pool failed, kernels compile serially at first launch: {p.broken}"
 
