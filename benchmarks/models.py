@@ -14,7 +14,7 @@ of a call (triton.testing.do_bench, interleaved rounds), compile seconds cold (t
 call, caches empty) and warm (compiled again after torch._dynamo.reset), and for eqfuse
 the kernels and eager steps of the graphs it compiled, its compile seconds per stage (cold
 and warm) and what parallel kernel compilation did. eqfuse compiles with autotune off
-(the tile model's first choice) to keep compile time bounded. ``EQFUSE_PARALLEL_COMPILE=0``
+(the tile model's first choice) to keep compile time bounded, unless ``--autotune``. ``EQFUSE_PARALLEL_COMPILE=0``
 compiles its kernels one after another at their first launch instead (recorded in the
 results file).
 """
@@ -147,15 +147,17 @@ def main(argv=None) -> int:
                    default=["forward", "forward+backward"])
     p.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
     p.add_argument("--no-timing", action="store_true", help="compile seconds only, no call timing")
+    p.add_argument("--autotune", action="store_true", help="eqfuse times its tile candidates (compile time unbounded)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    CONTENDERS["eqfuse"]["options"]["autotune"] = a.autotune
     rows = []
     for name in a.models:
         for mode in a.modes:
             row = measure(name, training=mode != "forward", contenders=a.contenders, timing=not a.no_timing)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            save_results(a.out, rows, dtype="float16", eqfuse_options={"autotune": False},
+            save_results(a.out, rows, dtype="float16", eqfuse_options={"autotune": a.autotune},
                          parallel_compile=os.environ.get("EQFUSE_PARALLEL_COMPILE", "1") != "0")
     return 0
 
