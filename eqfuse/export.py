@@ -264,7 +264,7 @@ def grid_formula(info) -> list | None:
     sizes = {k: _Sym(k, v) for k, v in info.constexprs.items() if isinstance(v, int)}
     try:
         fields = {}
-        for attr, key in (("numel", "xnumel"), ("rows", "R"), ("m", "M"), ("n", "N")):
+        for attr, key in (("numel", "xnumel"), ("inner", "X"), ("rows", "R"), ("m", "M"), ("n", "N")):
             if getattr(sched, attr) and key in sizes:
                 fields[attr] = sizes[key]
         if sched.batch:

@@ -1,6 +1,8 @@
 """Code generation details: int64 offsets, masks, constexprs, readability."""
 
+import pytest
 import torch
+from conftest import assert_matches
 
 import eqfuse
 from eqfuse.codegen.kernel import generate
@@ -55,3 +57,32 @@ def test_a_config_that_does_not_fit_is_not_used():
     (k,) = c.kernels
     text, sched, cfg, _ = generate(k.spec, c.plan.buffers, {"BLOCK_R": 1, "BLOCK_C": 16, "num_warps": 1})
     assert cfg["BLOCK_C"] >= 1000
+
+
+def _rotary_into_transposed_copy(k, cos, sin):
+    """The Llama layer's K after rotary, written as [batch, heads, dim, seq] for q @ k^T,
+    beside the same values in [batch, heads, seq, dim]: one read across the output's order."""
+    k = k.transpose(1, 2)  # [B, H, S, D] view of [B, S, H, D]
+    half = k.shape[-1] // 2
+    rotated = k * cos + torch.cat([-k[..., half:], k[..., :half]], dim=-1) * sin
+    return rotated.transpose(-1, -2).contiguous(), rotated.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("seq", [64, 50, 17])
+def test_a_read_across_the_output_order_iterates_in_tiles(seq, dtype):
+    torch.manual_seed(0)
+    k = torch.randn(2, seq, 3, 32, dtype=dtype)
+    cos, sin = torch.randn(seq, 32, dtype=dtype), torch.randn(seq, 32, dtype=dtype)
+    compiled = eqfuse.compile(_rotary_into_transposed_copy, [k, cos, sin])
+    assert_matches(compiled(k, cos, sin), _rotary_into_transposed_copy(k, cos, sin))
+    (kernel,) = compiled.kernels
+    assert kernel.schedule.inner == seq  # the transposed read's unit-stride digit starts at seq
+    assert "yindex = " in kernel.source and kernel.constexprs["X"] == seq
+
+
+def test_reads_in_output_order_stay_flat():
+    x = torch.randn(4, 48, 40)
+    compiled = eqfuse.compile(lambda t: (t * 2).transpose(0, 1).contiguous(), [x])
+    (kernel,) = compiled.kernels
+    assert kernel.schedule.inner == 0 and "yindex" not in kernel.source  # rows move, columns stay in order

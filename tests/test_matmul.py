@@ -53,6 +53,36 @@ def test_swiglu_mlp_computes_both_products_in_one_loop():
     assert first.source.count("for k0 in range") == 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", [(), (3,)], ids=["unbatched", "batched"])
+def test_summed_products_share_one_accumulator(batch, dtype):
+    """A backward's input gradient through three projections, ``dq @ Wq + dk @ Wk + dv @ Wv``,
+    plus a residual: one kernel, one accumulator, a K loop per product."""
+    def grad_through_projections(a, b, c, wa, wb, wc, r):
+        return a @ wa + b @ wb + c @ wc + r
+
+    torch.manual_seed(0)
+    m, k, n = 17, 100, 33
+    inputs = [torch.randn(*batch, m, k, dtype=dtype, device=DEVICE) for _ in range(3)]
+    inputs += [torch.randn(k, n, dtype=dtype, device=DEVICE) for _ in range(3)]
+    inputs.append(torch.randn(*batch, m, n, dtype=dtype, device=DEVICE))
+    compiled = compiled_and_checked(grad_through_projections, inputs)
+    (kernel,) = compiled.kernels
+    assert kernel.schedule.summed and kernel.schedule.dots == 3
+    assert kernel.source.count("tl.zeros([BLOCK_M, BLOCK_N]") == 1
+    assert kernel.source.count("for k0 in range") == 3
+
+
+def test_products_used_apart_keep_their_own_accumulators():
+    """``(a @ w) * (a @ v)`` is not a sum: each product keeps its accumulator."""
+    def gated(a, w, v):
+        return (a @ w) * (a @ v) + a @ w
+
+    inputs = [torch.randn(20, 24, device=DEVICE)] + [torch.randn(24, 40, device=DEVICE) for _ in range(2)]
+    compiled = compiled_and_checked(gated, inputs)
+    assert all(not k.schedule.summed for k in compiled.kernels)
+
+
 @pytest.mark.parametrize("which", ["a", "b", "both"])
 def test_transposed_operands_are_read_through_strides(which):
     a, b = torch.randn(37, 20), torch.randn(20, 45)

@@ -2,7 +2,9 @@
 
 Four schedules (the fourth, attention, is written by codegen/attention.py):
 
-* pointwise: a flat index over the output, ``XBLOCK`` elements per program;
+* pointwise: a flat index over the output, ``XBLOCK`` elements per program; or, where
+  it reads a tensor across the output's order, ``YBLOCK x XBLOCK`` tiles of a 2-D
+  iteration (codegen/pointwise.py);
 * row reduction: ``BLOCK_R`` rows per program and the reduced axis of length ``C``
   either whole in registers (persistent: ``BLOCK_C >= C``) or walked in ``BLOCK_C``
   chunks, one loop per reduction stage (looped). Every reduction in a kernel is over the
@@ -32,7 +34,7 @@ from dataclasses import dataclass, replace
 from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
-from . import tiles, tma
+from . import pointwise, tiles, tma
 from .indexing import (
     Env,
     Idx,
@@ -61,6 +63,7 @@ def next_pow2(n: int) -> int:
 class Schedule:
     kind: str  # pointwise | reduction | matmul | attention
     numel: int = 0  # pointwise
+    inner: int = 0  # pointwise: X of a 2-D iteration [numel / X, X] (codegen/pointwise.py); 0: flat
     rows: int = 0  # reduction
     cols: int = 0
     reduce_shape: tuple = ()
@@ -71,6 +74,7 @@ class Schedule:
     k: int = 0
     dot_dtype: str = ""
     dots: int = 0
+    summed: bool = False  # matmul: the products are only added up (one accumulator, a K loop each)
     d: int = 0  # attention: [*batch, M, N] scores, values [*batch, N, D]; k is q's head dim
     band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
     tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
@@ -79,7 +83,7 @@ class Schedule:
     def sizes(self) -> dict:
         """The size constexprs of the kernel."""
         if self.kind == "pointwise":
-            return {"xnumel": self.numel}
+            return {"xnumel": self.numel, "X": self.inner} if self.inner else {"xnumel": self.numel}
         if self.kind == "reduction":
             return {"R": self.rows, "C": self.cols}
         if self.kind == "attention":
@@ -89,7 +93,9 @@ class Schedule:
 
     def describe(self) -> str:
         if self.kind == "pointwise":
-            return f"pointwise over {self.numel} elements"
+            tiled = f", tiled [{self.numel // self.inner} x {self.inner}] (a read across the output's order)" \
+                if self.inner else ""
+            return f"pointwise over {self.numel} elements{tiled}"
         if self.kind == "reduction":
             how = "whole row in registers" if self.persistent else "looped"
             return f"{self.rows} rows x {self.cols} reduced ({how})"
@@ -101,9 +107,13 @@ class Schedule:
             return (f"attention {batch}softmax({scores}) @ [{self.n} x {self.d}] {self.dot_dtype}, "
                     f"streamed over {self.n} keys{band}")
         products = f", {self.dots} products" if self.dots > 1 else ""
+        if self.summed:
+            products = f", sum of {self.dots} products"
         return f"matmul {batch}[{self.m} x {self.k}] @ [{self.k} x {self.n}] {self.dot_dtype}{products}"
 
     def grid(self, cfg: dict) -> tuple:
+        if self.kind == "pointwise" and self.inner:
+            return (-(-(self.numel // self.inner) // cfg["YBLOCK"]) * -(-self.inner // cfg["XBLOCK"]),)
         if self.kind == "pointwise":
             return (-(-self.numel // cfg["XBLOCK"]),)
         if self.kind == "reduction":
@@ -135,9 +145,42 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
     batch = tuple(shape[:-2])
     if math.prod(batch) > MAX_GRID_Y:
         raise Unschedulable(f"a batch of {math.prod(batch)} matmuls (the grid takes {MAX_GRID_Y})")
-    sched = Schedule("matmul", batch=batch, m=shape[-2], n=shape[-1], k=k, dot_dtype=dtype, dots=len(dots))
+    sched = Schedule("matmul", batch=batch, m=shape[-2], n=shape[-1], k=k, dot_dtype=dtype, dots=len(dots),
+                     summed=len(dots) > 1 and summed_products(spec) is not None)
     return replace(sched, tma=not batch and all(operand_box(d.args[i], env, atoms) is not None
                                                 for d in dots for i, env, atoms in _operand_sides(sched)))
+
+
+def summed_products(spec: KernelSpec) -> PNode | None:
+    """The add tree of the kernel whose leaves are all of its products, each used nowhere
+    else (``x @ a + y @ b + z @ c``: a backward's gradient from three projections), or None.
+    Such products share one accumulator, which their K loops fill one after the other: the
+    registers and shared memory of a single matmul, however many products."""
+    nodes = spec.walk()
+    users: dict[int, int] = {}
+    for n in nodes:
+        for a in n.args:
+            users[id(a)] = users.get(id(a), 0) + 1
+    for root, _ in spec.roots:
+        users[id(root)] = users.get(id(root), 0) + 1
+
+    def leaves(n: PNode) -> list | None:
+        if n.op == "dot":
+            return [n]
+        if n.op == "reshape" and n.args[0].op == "dot" and users[id(n.args[0])] == 1:
+            return [n.args[0]]  # a batched product seen through its flattened view
+        if n.op == "binary" and n.attrs[0] == "add" and all(users[id(a)] == 1 for a in n.args):
+            parts = [leaves(a) for a in n.args]
+            return None if None in parts else parts[0] + parts[1]
+        return None
+
+    dots = [n for n in nodes if n.op == "dot"]
+    for n in reversed(nodes):  # parents first: the largest tree is met before its subtrees
+        if n.op == "binary":
+            found = leaves(n)
+            if found is not None and len(found) == len(dots):
+                return n
+    return None
 
 
 def matmul_envs(s: Schedule) -> tuple:
@@ -184,7 +227,7 @@ def schedule_of(spec: KernelSpec) -> Schedule:
         sizes = {root.numel for root, _ in spec.roots}
         if len(sizes) != 1:
             raise Unschedulable("pointwise roots of different sizes")
-        return Schedule("pointwise", numel=sizes.pop())
+        return Schedule("pointwise", numel=sizes.pop(), inner=pointwise.inner_extent(spec))
     shapes = {tuple(r.args[0].shape) for r in reduces}
     if len(shapes) != 1:
         raise Unschedulable(f"reductions over different shapes {sorted(shapes)}")
@@ -270,6 +313,8 @@ class KernelWriter:
         return matmul_envs(self.s)
 
     def root_env(self, root: PNode) -> Env:
+        if self.s.kind == "pointwise" and self.s.inner:
+            return pointwise.tiled_env(root, self.s.inner)
         if self.s.kind == "pointwise":
             x = Idx("xindex", frozenset("x"))
             return env_of([(x, root.numel)], root.shape, x)
@@ -404,20 +449,35 @@ class KernelWriter:
         raise Unschedulable("a matmul reached through an index map that moves its output tile")
 
     def emit_dots(self):
-        """One loop over K that feeds every product of the kernel."""
+        """One loop over K that feeds every product of the kernel; or, where the products
+        are only summed (``summed_products``), one loop per product into one accumulator."""
         out_env, a_env, b_env = self.matmul_envs()
         dots = [n for n in self.spec.walk() if n.op == "dot"]
+        if self.s.summed:
+            acc = self.fresh("acc")
+            self.lines.append(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
+            for d in dots:
+                self.open_loop()
+                self.loop.append(f"{acc} = {self.dot_step(d, a_env, b_env, acc)}")
+                self.close_loop()
+            total = summed_products(self.spec)
+            self.memo_outer[(id(total), env_key(reshape_env(out_env, total.shape)))] = Val(acc, frozenset("mn"))
+            return
         accs = [self.fresh("acc") for _ in dots]
         for acc in accs:
             self.lines.append(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
         self.open_loop()
         for d, acc in zip(dots, accs):
-            a = self.dot_operand(d.args[0], a_env, ("m", "k"), "[BLOCK_M, BLOCK_K]")
-            b = self.dot_operand(d.args[1], b_env, ("j", "n"), "[BLOCK_K, BLOCK_N]")
-            self.loop.append(f"{acc} = tl.dot({a}, {b}, {acc}{self.dot_precision()})")
+            self.loop.append(f"{acc} = {self.dot_step(d, a_env, b_env, acc)}")
         self.close_loop()
         for d, acc in zip(dots, accs):
             self.memo_outer[(id(d), env_key(out_env))] = Val(acc, frozenset("mn"))
+
+    def dot_step(self, d: PNode, a_env: Env, b_env: Env, acc: str) -> str:
+        """One K step of product ``d``, added to ``acc`` (operand loads go in the loop)."""
+        a = self.dot_operand(d.args[0], a_env, ("m", "k"), "[BLOCK_M, BLOCK_K]")
+        b = self.dot_operand(d.args[1], b_env, ("j", "n"), "[BLOCK_K, BLOCK_N]")
+        return f"tl.dot({a}, {b}, {acc}{self.dot_precision()})"
 
     def dot_precision(self) -> str:
         if self.s.dot_dtype != "float32":
@@ -570,10 +630,11 @@ class KernelWriter:
             if axis not in lin.axes:
                 lin = Idx(f"{lin.expr} + 0 * {name}", lin.axes | {axis})
         axes = lin.axes
-        block = {"x": "[XBLOCK]", "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]",
+        block = {"x": "[1, XBLOCK]" if self.s.inner else "[XBLOCK]", "y": "[YBLOCK, 1]", "yx": "[YBLOCK, XBLOCK]",
+                 "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]",
                  "m": "[BLOCK_M, 1]", "n": "[1, BLOCK_N]", "mn": "[BLOCK_M, BLOCK_N]",
                  "d": "[1, BLOCK_D]", "md": "[BLOCK_M, BLOCK_D]"}
-        want = "".join(a for a in "xrcmnd" if a in axes)
+        want = "".join(a for a in "yxrcmnd" if a in axes)
         expr = v.expr
         if want and not set(want) <= set(v.axes):
             expr = f"tl.where(tl.full({block[want]}, 1, tl.int1), {expr}, {expr})"
@@ -596,6 +657,10 @@ class KernelWriter:
         pid = f"tl.program_id(0){self.index_dtype_cast}"
         if s.kind == "attention":
             head = self.write_body(cfg)
+        elif s.kind == "pointwise" and s.inner:
+            head += pointwise.head(s.numel, s.inner, cfg, self.uneven, self.index_dtype_cast)
+            for root, buf in self.spec.roots:
+                self.store(root, buf, self.root_env(root))
         elif s.kind == "pointwise":
             if s.numel % cfg["XBLOCK"]:
                 self.uneven["x"] = "xmask"
@@ -727,6 +792,8 @@ def default_config(sched: Schedule) -> dict:
     if sched.kind == "attention":
         from . import attention
         return attention.candidates(sched)[0]
+    if sched.kind == "pointwise" and sched.inner:
+        return pointwise.default_config(sched.numel, sched.inner)
     if sched.kind == "pointwise":
         xblock = min(1024, max(16, next_pow2(sched.numel)))
         return {"XBLOCK": xblock, "num_warps": max(1, min(4, xblock // 256))}
@@ -748,7 +815,7 @@ def fits(sched: Schedule, cfg: dict) -> bool:
         from . import attention
         return attention.runnable(cfg)
     if sched.kind == "pointwise":
-        return set(cfg) == {"XBLOCK", "num_warps"}
+        return set(cfg) == ({"YBLOCK", "XBLOCK", "num_warps"} if sched.inner else {"XBLOCK", "num_warps"})
     if set(cfg) != {"BLOCK_R", "BLOCK_C", "num_warps"}:
         return False
     if sched.persistent:
@@ -765,6 +832,8 @@ def tuning_candidates(sched: Schedule) -> list[dict]:
     if sched.kind == "attention":
         from . import attention
         return attention.candidates(sched)
+    if sched.kind == "pointwise" and sched.inner:
+        return pointwise.tuning_candidates(sched.numel, sched.inner)
     base = default_config(sched)
     cands = [base]
     if sched.kind == "pointwise":

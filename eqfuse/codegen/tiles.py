@@ -4,7 +4,9 @@ A program computes one ``BLOCK_M x BLOCK_N`` output tile, walking K in ``BLOCK_K
 steps. Per step it moves ``(BLOCK_M + dots * BLOCK_N) * BLOCK_K`` operand elements into
 shared memory (from L2 mostly, thanks to the grouped tile order) and issues
 ``2 * BLOCK_M * BLOCK_N * BLOCK_K`` flops per product on the tensor cores; whichever takes
-longer sets the step's time. Programs run in waves of one per SM, so a grid that leaves
+longer sets the step's time. Products that are only added up (``summed``) share one
+accumulator and walk K one after the other: a step then stages one product's operands.
+Programs run in waves of one per SM, so a grid that leaves
 the last wave half empty pays for a full one. The model only ranks: the GPU autotuner
 times the first few and keeps the fastest.
 
@@ -69,9 +71,9 @@ def candidates(sched, with_tma: bool | None = None) -> list[dict]:
             bk = max(MIN_BLOCK, bk // 2)  # the same staging bytes at twice the element size
         cfg = {"BLOCK_M": _clamp(bm, sched.m), "BLOCK_N": _clamp(bn, sched.n), "BLOCK_K": _clamp(bk, sched.k),
                "GROUP_M": GROUP_M, "num_warps": warps, "num_stages": stages}
-        if cfg["BLOCK_M"] * cfg["BLOCK_N"] * sched.dots > MAX_ACCUMULATOR:
+        if cfg["BLOCK_M"] * cfg["BLOCK_N"] * _accumulators(sched) > MAX_ACCUMULATOR:
             continue
-        staged = (cfg["BLOCK_M"] + sched.dots * cfg["BLOCK_N"]) * cfg["BLOCK_K"] * item * stages
+        staged = _operand_rows(sched, cfg) * cfg["BLOCK_K"] * item * stages
         if staged > SHARED_MEMORY:
             continue
         if cfg not in out:
@@ -86,6 +88,16 @@ def candidates(sched, with_tma: bool | None = None) -> list[dict]:
             if fit >= 2 and persistent not in out:
                 out.append(persistent)
     return out
+
+
+def _accumulators(sched) -> int:
+    return 1 if sched.summed else sched.dots
+
+
+def _operand_rows(sched, cfg: dict) -> int:
+    """Operand tile rows one K step stages: A's and B's of the step's product, or, for
+    products computed side by side, one A (they share it: SwiGLU's x) and each B."""
+    return cfg["BLOCK_M"] + (1 if sched.summed else sched.dots) * cfg["BLOCK_N"]
 
 
 def programs(sched, cfg: dict) -> int:
@@ -123,9 +135,11 @@ def modelled_time_us(sched, cfg: dict, device: Device | None = None) -> float:
     waves = math.ceil(tiles / cfg.get("PROGRAMS", device.sms))
     steps = math.ceil(sched.k / bk)
     flops = 2 * bm * bn * bk * sched.dots
-    moved = (bm + sched.dots * bn) * bk * ops.itemsize(sched.dot_dtype)
+    moved = _operand_rows(sched, cfg) * bk * ops.itemsize(sched.dot_dtype)
     per_sm_flops = device.tensor_flops_per_us(sched.dot_dtype) / device.sms
     per_sm_bytes = device.bandwidth_bytes_per_us * device.l2_speedup / device.sms
+    if sched.summed:  # a K loop per product, each step one product's
+        flops, steps = flops // sched.dots, steps * sched.dots
     step = max(flops / per_sm_flops, moved / per_sm_bytes) + STEP_OVERHEAD_US
     per_tile = PERSISTENT_TILE_OVERHEAD_US if "PROGRAMS" in cfg else TILE_OVERHEAD_US
     return waves * (steps * step + per_tile)
