@@ -17,8 +17,8 @@ hashes the kernel's source and its line number) and gets this process's cache-
 invalidating environment, so both hash the same key.
 
 The pool starts once per process, when the first CUDA graph is built (its workers import
-torch and Triton while the graph is captured and saturated), with one worker per CPU (at
-most 32; ``EQFUSE_COMPILE_WORKERS`` sets the number), and stops at exit. Kernels already
+Triton, not torch, while the graph is captured), with one worker per CPU (at most 32;
+``EQFUSE_COMPILE_WORKERS`` sets the number), and stops at exit. Kernels already
 in Triton's cache are not sent. Whatever goes wrong (a worker that does not start or
 dies, a Triton that packs arguments otherwise) leaves the kernels to the JIT, compiled at
 their first launch as before, with a one-line note in the graph's report. Off on the
@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ENV_SWITCH = "EQFUSE_PARALLEL_COMPILE"  # "0" turns the pool off
@@ -183,14 +183,16 @@ def is_cached(job: Job) -> bool:
 # --- the pool -------------------------------------------------------------------------------
 
 def _worker_command() -> list[str]:
-    return [sys.executable, "-m", "eqfuse.runtime.compile_worker"]
+    # A script, not ``-m eqfuse.runtime.compile_worker``: importing the package imports torch
+    script = str(Path(__file__).with_name("compile_worker.py"))
+    return [sys.executable, "-c", f"import runpy; runpy.run_path({script!r}, run_name='__main__')"]
 
 
 def _worker_env() -> dict:
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "0"  # a worker compiles: never Triton's interpreter
     env["CUDA_VISIBLE_DEVICES"] = ""  # and needs no GPU: the target is explicit, no context is made
-    package_root = str(Path(__file__).resolve().parents[2])  # the workers import this eqfuse
+    package_root = str(Path(__file__).resolve().parents[2])  # should a module import this eqfuse
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
 
@@ -204,7 +206,7 @@ class _Worker:
     def compile(self, job: Job, timeout: float) -> dict:
         """The worker's reply to ``job``; raises OSError when the worker is gone or stuck."""
         try:
-            pickle.dump(job, self.proc.stdin)
+            pickle.dump(asdict(job), self.proc.stdin)  # plain data: the worker imports no eqfuse
             self.proc.stdin.flush()
         except (OSError, ValueError) as e:
             raise OSError(f"compile worker gone: {self.why()}") from e
