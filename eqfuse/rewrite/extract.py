@@ -16,12 +16,14 @@
 
 from __future__ import annotations
 
+import gc
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from ..codegen.kernel import generate
+from ..codegen.kernel import generate, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
 from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides
@@ -91,6 +93,8 @@ class Extractor:
         self._kernels: dict = {}  # (root, hosted, M within reach) -> (spec, inline, loads, reads)
         self._fallbacks: dict | None = None  # the eager steps, the same in every plan
         self._fallback_reads: dict = {}  # and the buffers each reads
+        self._recipes: dict[str, tuple] = {}  # class -> how a kernel computes it (see _recipe)
+        self._stored_loads: dict[str, tuple] = {}  # class -> how a kernel reads its buffer
 
     # --- 1. types ------------------------------------------------------------------------------
     def _type_of_node(self, n: ENode, types):
@@ -257,6 +261,15 @@ class Extractor:
         return self._fx_names.get(c, [])
 
     def extract(self) -> tuple[Plan, dict]:
+        with _collector_paused():
+            try:
+                return self._extract()
+            finally:
+                # The kernels weighed and dropped, freed before the collector resumes (it
+                # would walk them all once, as young objects, to find no garbage).
+                self._kernels.clear()
+
+    def _extract(self) -> tuple[Plan, dict]:
         roots = self.roots()
         order = self.reachable(roots)
         forced = set(roots) | {self.tensor_node[self.best[c].args[0]].args[0]
@@ -268,8 +281,15 @@ class Extractor:
         def evaluate(M, host, base=None):
             return self._evaluate(order, M, host, memo, base)
 
+        def acceptable(trial) -> _State | None:
+            """The trial, checked, if it is a valid plan and cheaper than ``state``."""
+            if trial.invalid or not trial.acyclic or trial.cost >= state.cost - 1e-9:
+                return None
+            trial = self._checked(trial, memo)
+            return None if trial.invalid else trial
+
         unfused = evaluate(set(forced) | set(candidates), {})
-        state = evaluate(M, host)
+        state = self._checked(evaluate(M, host), memo)
         # Repair: materialise inside kernels the code generator cannot schedule.
         while state.invalid:
             bad = state.invalid[0]
@@ -278,16 +298,15 @@ class Extractor:
                 raise ExtractionError(f"kernel for {self.fx_names(bad) or bad} cannot be scheduled: "
                                       f"{state.reasons[bad]}")
             trials = [(evaluate(M | {c}, host, state), c) for c in inside]
-            trials.sort(key=lambda t: (bad in t[0].invalid, len(t[0].invalid), t[0].cost))
-            M = M | {trials[0][1]}
-            state = trials[0][0]
+            state, c = self._repair_choice(trials, bad, memo)
+            M = M | {c}
         # Improve: materialise or fuse one value at a time while the modelled time drops.
         for _ in range(3):
             improved = False
             for c in candidates:
                 trial_m = M - {c} if c in M else M | {c}
-                trial = evaluate(trial_m, host, state)
-                if not trial.invalid and trial.acyclic and trial.cost < state.cost - 1e-9:
+                trial = acceptable(evaluate(trial_m, host, state))
+                if trial is not None:
                     M, state, improved = trial_m, trial, True
             if not improved:
                 break
@@ -305,14 +324,32 @@ class Extractor:
                 # c's kernel, with everything it stores, moves into p's.
                 trial_host = {k: (p if v == c else v) for k, v in host.items()}
                 trial_host[c] = p
-                trial = evaluate(M, trial_host, state)
-                if not trial.invalid and trial.acyclic and trial.cost < state.cost - 1e-9:
+                trial = acceptable(evaluate(M, trial_host, state))
+                if trial is not None:
                     host, state = trial_host, trial
                     break
+        unfused = self._checked(unfused, memo)
         plan = self._assemble(state, M, host)
         plan.cost, plan.cost_unfused = state.cost, unfused.cost
         return plan, {"plan_cost_us": round(state.cost, 3), "unfused_cost_us": round(unfused.cost, 3),
                       "materialised": len(M), "kernels": len(plan.kernels)}
+
+    def _repair_choice(self, trials: list, bad, memo) -> tuple[_State, str]:
+        """Of the trial plans (each with the class it materialises), the one where the kernel
+        ``bad`` can be scheduled, then with the fewest unschedulable kernels, then the
+        cheapest; the first in order among equals. Trials are ranked before their sources are
+        written; writing can only raise a trial's rank (a refused kernel turns invalid), so
+        the first in rank whose sources all pass is the one ranking checked trials gives."""
+        def rank(i):
+            t = trials[i][0]
+            return (bad in t.invalid, len(t.invalid), t.cost, i)
+        while True:
+            i = min(range(len(trials)), key=rank)
+            trial, c = trials[i]
+            checked = self._checked(trial, memo)
+            if len(checked.invalid) == len(trial.invalid):
+                return checked, c
+            trials[i] = (checked, c)
 
     def buffer_name(self, c) -> str:
         """A readable, unique name: after the FX node the buffer holds, where there is one."""
@@ -357,29 +394,51 @@ class Extractor:
         key = (c, extra, frozenset(inline), frozenset(loads))
         if key not in memo:
             memo[key] = self._kernel_time(spec, buffers)
-        t, reason = memo[key]
+        t, reason, checked = memo[key]
         if loads & {c, *extra}:
-            t, reason = math.inf, "reads a buffer it writes"
-        return _KernelEval(extra, spec, inline, loads, reads, t, reason, frozenset(inline) | loads)
+            t, reason, checked = math.inf, "reads a buffer it writes", True
+        return _KernelEval(extra, spec, inline, loads, reads, t, reason, frozenset(inline) | loads, key, checked)
 
-    def _kernel_time(self, spec, buffers) -> tuple[float, str | None]:
-        """(modelled microseconds, None), or (inf, why) for a kernel the code generator
-        cannot schedule. Generating its source is part of the check: the writer refuses
-        forms the scheduler lets through."""
+    def _kernel_time(self, spec, buffers) -> tuple[float, str | None, bool]:
+        """(modelled microseconds, None, False) for a kernel the scheduler takes, or (inf,
+        why, True) for one it refuses. The third item says whether the verdict is final:
+        the source writer refuses some forms the scheduler takes, and writing is costly, so
+        it is left to ``_checked``, for the plans whose validity decides a step."""
         try:
-            _, sched, _, _ = generate(spec, buffers)
+            sched = schedule_of(spec)
         except Unschedulable as e:
-            return math.inf, str(e)
+            return math.inf, str(e), True
         passes = 1 if sched.kind == "pointwise" or sched.persistent else \
             1 + sum(1 for n in spec.walk() if n.op == "reduce")
-        return kernel_time_us(spec, buffers, self.device, passes, sched), None
+        return kernel_time_us(spec, buffers, self.device, passes, sched), None, False
+
+    def _checked(self, st: _State, memo) -> _State:
+        """``st`` with the source of each kernel written, and the kernels the writer refuses
+        invalid. A refusal only adds to a plan's invalid kernels, so a plan that looks
+        acceptable before this check is acceptable after it, or rejected: never better."""
+        if all(k.checked for k in st.kernels.values()):
+            return st
+        buffers = self._buffers(st.M)
+        out = _State(st.M, st.host, self)
+        for c, k in st.kernels.items():
+            if not k.checked:
+                t, reason, checked = memo[k.key]
+                if not checked:
+                    try:
+                        generate(k.spec, buffers)
+                    except Unschedulable as e:
+                        t, reason = math.inf, str(e)
+                    memo[k.key] = (t, reason, True)
+                k = replace(k, time=t, reason=reason, checked=True)
+            out.add(c, k)
+        return out
 
     def _acyclic(self, st: _State) -> bool:
         # Evaluated a thousand times and more per graph: the reads of each step are computed
         # once (with its kernel, or once for the eager steps), not walked again.
         fallbacks = self._fallback_steps()
-        graph = _dependency_graph(st.specs, fallbacks, {**st.reads, **self._fallback_reads})
-        return nx.is_directed_acyclic_graph(graph)
+        edges = _dependencies(st.specs, fallbacks, {**st.reads, **self._fallback_reads})
+        return _is_acyclic([*st.specs, *fallbacks], edges)
 
     def _region(self, c) -> frozenset:
         """The classes a kernel computing ``c`` could inline (its inline choices, transitively)."""
@@ -424,68 +483,90 @@ class Extractor:
         memo: dict[str, PNode] = {}
         inline, loads = [], set()
         reads = set()  # buffer names the kernel loads (collected here: walking it again costs)
+        nodes = []  # in the order they are made, children first: the kernel's walk
         here = {root, *extra}
 
         def build(c) -> PNode:
-            if c in memo:
-                return memo[c]
-            shape, dtype = self.types[c]
+            p = memo.get(c)
+            if p is not None:
+                return p
             if c in M and c not in here:
                 loads.add(c)
-                strides = self._strides(c) or contiguous_strides(shape)
-                p = PNode("load", (self.buffer_name(c), strides, 0), (), shape, dtype, c)
-                reads.add(p.attrs[0])
-                memo[c] = p
-                return p
-            n = self.best[c]
-            inline.append(c)
-            a = n.args
-            if n.op == "LoadStrided":
-                name = buffer_name(self.tensor_node[a[0]].args[0])
-                p = PNode("load", (name, tuple(a[2]), a[3]), (), shape, dtype, c)
-                reads.add(name)
-            elif n.op == "Load":  # a kernel left unfused (saturation stopped early): read its buffer
-                d = self.tensor_node[a[0]].args[0]
-                loads.add(d)  # d in ``here`` (a kernel reading what it writes) is rejected by the caller
-                strides = self._strides(d) or contiguous_strides(shape)
-                p = PNode("load", (self.buffer_name(d), strides, 0), (), shape, dtype, c)
-                reads.add(p.attrs[0])
-            elif n.op == "Const":
-                p = PNode("const", (bits_float(a[0]),), (), shape, dtype, c)
-            elif n.op == "Iota":
-                p = PNode("iota", (a[1],), (), shape, dtype, c)
-            elif n.op in ("Unary", "Reduce"):
-                p = PNode(n.op.lower(), (a[0],), (build(a[1]),), shape, dtype, c)
-            elif n.op == "Binary":
-                p = PNode("binary", (a[0],), (build(a[1]), build(a[2])), shape, dtype, c)
-            elif n.op == "Where":
-                p = PNode("where", (), tuple(build(x) for x in a), shape, dtype, c)
-            elif n.op == "Cast":
-                p = PNode("cast", (dtype,), (build(a[0]),), shape, dtype, c)
-            elif n.op in ("Broadcast", "Reshape"):
-                p = PNode(n.op.lower(), (), (build(a[0]),), shape, dtype, c)
-            elif n.op == "Permute":
-                p = PNode("permute", (tuple(a[1]),), (build(a[0]),), shape, dtype, c)
-            elif n.op == "Slice":
-                p = PNode("slice", (a[1], a[2], a[3]), (build(a[0]),), shape, dtype, c)
-            elif n.op == "Cat":
-                p = PNode("cat", (a[2],), (build(a[0]), build(a[1])), shape, dtype, c)
-            elif n.op in ("Dot", "ExpDot"):
-                p = PNode(n.op.lower(), (), (build(a[0]), build(a[1])), shape, dtype, c)
-            elif n.op == "ExpSum":
-                p = PNode("expsum", (), (build(a[0]),), shape, dtype, c)
+                attrs, shape, dtype = self._stored_load(c)
+                p = PNode("load", attrs, (), shape, dtype, c)
+                reads.add(attrs[0])
             else:
-                raise ExtractionError(f"unknown e-node {n.op}")
+                inline.append(c)
+                op, attrs, kids, shape, dtype, read, loaded = self._recipe(c)
+                if read is not None:
+                    reads.add(read)
+                if loaded is not None:  # d in ``here`` (a kernel reading what it writes) is rejected by the caller
+                    loads.add(loaded)
+                p = PNode(op, attrs, tuple([build(k) for k in kids]), shape, dtype, c)
             memo[c] = p
+            nodes.append(p)
             return p
 
         roots = [(build(c), self.buffer_name(c)) for c in [root, *extra]]
-        names = []
-        for c in inline:
-            names += self.fx_names(c)
+        build = None  # noqa: F841 - the closure refers to itself: a cycle the paused collector would keep
+        names = [name for c in inline for name in self._fx_names.get(c, ())]
         label = (self.fx_names(root) or ["value"])[0]
-        spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names)))
+        spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names))).known_walk(nodes)
         return spec, inline, loads, reads
+
+    def _stored_load(self, c) -> tuple:
+        """(load attrs, shape, dtype) of a kernel reading materialised ``c`` from its buffer."""
+        if c not in self._stored_loads:
+            shape, dtype = self.types[c]
+            strides = self._strides(c) or contiguous_strides(shape)
+            self._stored_loads[c] = ((self.buffer_name(c), strides, 0), shape, dtype)
+        return self._stored_loads[c]
+
+    def _recipe(self, c) -> tuple:
+        """How a kernel computes ``c`` inline, worked out once per class (kernels are built
+        thousands of times): (op, attrs, child classes, shape, dtype, the buffer it reads
+        or None, the class whose buffer it loads or None)."""
+        if c not in self._recipes:
+            self._recipes[c] = self._make_recipe(c)
+        return self._recipes[c]
+
+    def _make_recipe(self, c) -> tuple:
+        shape, dtype = self.types[c]
+        n = self.best[c]
+        a, op = n.args, n.op
+        read = loaded = None
+        if op == "LoadStrided":
+            read = buffer_name(self.tensor_node[a[0]].args[0])
+            op, attrs, kids = "load", (read, tuple(a[2]), a[3]), ()
+        elif op == "Load":  # a kernel left unfused (saturation stopped early): read its buffer
+            loaded = self.tensor_node[a[0]].args[0]
+            read = self.buffer_name(loaded)
+            op, attrs, kids = "load", (read, self._strides(loaded) or contiguous_strides(shape), 0), ()
+        elif op == "Const":
+            op, attrs, kids = "const", (bits_float(a[0]),), ()
+        elif op == "Iota":
+            op, attrs, kids = "iota", (a[1],), ()
+        elif op in ("Unary", "Reduce"):
+            op, attrs, kids = op.lower(), (a[0],), (a[1],)
+        elif op == "Binary":
+            op, attrs, kids = "binary", (a[0],), (a[1], a[2])
+        elif op == "Where":
+            op, attrs, kids = "where", (), tuple(a)
+        elif op == "Cast":
+            op, attrs, kids = "cast", (dtype,), (a[0],)
+        elif op in ("Broadcast", "Reshape", "ExpSum"):
+            op, attrs, kids = op.lower(), (), (a[0],)
+        elif op == "Permute":
+            op, attrs, kids = "permute", (tuple(a[1]),), (a[0],)
+        elif op == "Slice":
+            op, attrs, kids = "slice", (a[1], a[2], a[3]), (a[0],)
+        elif op == "Cat":
+            op, attrs, kids = "cat", (a[2],), (a[0], a[1])
+        elif op in ("Dot", "ExpDot"):
+            op, attrs, kids = op.lower(), (), (a[0], a[1])
+        else:
+            raise ExtractionError(f"unknown e-node {op}")
+        return op, attrs, kids, shape, dtype, read, loaded
 
     # --- 4. the plan ---------------------------------------------------------------------------
     def _assemble(self, state, M, host) -> Plan:
@@ -516,24 +597,64 @@ class Extractor:
         return Plan(inputs, buffers, ordered, outputs)
 
 
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while extraction runs, back on after (if it
+    was on). Extraction makes and keeps plan nodes by the hundred thousand, and each burst
+    of allocation set off full collections that walk the whole heap, torch's included: on
+    the Llama layer's graphs 3-5 per graph at 0.2-0.5 s each, most of extraction's time.
+    Extraction makes no reference cycles to collect (its garbage goes by reference count)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _dependency_graph(kernels: dict, fallbacks: dict, reads: dict | None = None) -> nx.DiGraph:
     """Steps (kernels and eager fallbacks, by key) with an edge from each buffer's writer
     to each of its readers (``reads``: step key -> the buffers it reads, where known)."""
     g = nx.DiGraph()
+    g.add_nodes_from([*kernels, *fallbacks])
+    g.add_edges_from(_dependencies(kernels, fallbacks, reads))
+    return g
+
+
+def _dependencies(kernels: dict, fallbacks: dict, reads: dict | None = None):
+    """(writer, reader) per buffer a step reads that another step writes."""
     writer: dict[str, str] = {}
     for key, spec in kernels.items():
-        g.add_node(key)
         for _, b in spec.roots:
             writer[b] = key
     for key, step in fallbacks.items():
-        g.add_node(key)
         for name in step.outputs:
             writer[name] = key
     for key, step in {**kernels, **fallbacks}.items():
         for b in (reads[key] if reads is not None else _reads(step)):
             if b in writer and writer[b] != key:
-                g.add_edge(writer[b], key)
-    return g
+                yield writer[b], key
+
+
+def _is_acyclic(steps, edges) -> bool:
+    """Whether the directed graph has no cycle (Kahn's algorithm: every step can be
+    ordered). A plain loop, not networkx: trial plans are checked by the hundred."""
+    after: dict = {k: set() for k in steps}
+    waiting = dict.fromkeys(steps, 0)
+    for a, b in edges:
+        if b not in after[a]:
+            after[a].add(b)
+            waiting[b] += 1
+    ready = [k for k, n in waiting.items() if n == 0]
+    done = 0
+    while ready:
+        done += 1
+        for b in after[ready.pop()]:
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                ready.append(b)
+    return done == len(waiting)
 
 
 @dataclass(frozen=True)
@@ -547,6 +668,8 @@ class _KernelEval:
     time: float  # modelled microseconds; inf where it cannot be scheduled
     reason: str | None  # why it cannot be scheduled
     looked_at: frozenset  # the classes whose membership of M decided its form
+    key: tuple  # its entry in the extraction's memo of kernel costs
+    checked: bool  # whether ``reason`` is final (its source was written, or it was refused)
 
 
 class _State:

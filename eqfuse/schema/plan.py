@@ -21,6 +21,28 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+def _walk_from(roots) -> list:
+    """The nodes under ``roots``, each once, children before parents (depth first, a
+    node's arguments in order, each root's walk after the one before)."""
+    seen, order = set(), []
+    for root in roots:
+        if id(root) in seen:
+            continue
+        seen.add(id(root))
+        stack = [(root, iter(root.args))]  # a deep plan must not hit the recursion limit
+        while stack:
+            node, args = stack[-1]
+            for a in args:
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    stack.append((a, iter(a.args)))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
+    return order
+
+
 @dataclass(eq=False)
 class PNode:
     op: str  # load const iota unary binary where cast reduce broadcast reshape permute slice cat
@@ -37,17 +59,7 @@ class PNode:
 
     def walk(self):
         """Each distinct node once, children before parents."""
-        seen, order = set(), []
-
-        def go(n):
-            if id(n) in seen:
-                return
-            seen.add(id(n))
-            for a in n.args:
-                go(a)
-            order.append(n)
-        go(self)
-        return order
+        return _walk_from([self])
 
     def __repr__(self):
         inner = ", ".join([repr(a) for a in self.attrs] + [f"<{a.op}>" for a in self.args])
@@ -84,13 +96,23 @@ class KernelSpec:
     fx_nodes: list = field(default_factory=list)
 
     def walk(self):
-        seen, order = set(), []
-        for root, _ in self.roots:
-            for n in root.walk():
-                if id(n) not in seen:
-                    seen.add(id(n))
-                    order.append(n)
-        return order
+        """Each distinct node once, children before parents (the roots' walks in turn).
+
+        Kept after the first call: the scheduler, the code generator and the cost model
+        walk a kernel a dozen times, and extraction weighs thousands of kernels. Plan nodes
+        are not changed once built (a rewrite makes new ones), so the walk only goes stale
+        if ``roots`` is given other nodes, which the key checks."""
+        key = tuple(id(root) for root, _ in self.roots)
+        cached = self.__dict__.get("_walk")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_walk"] = (key, _walk_from([root for root, _ in self.roots]))
+        return list(cached[1])
+
+    def known_walk(self, nodes: list) -> KernelSpec:
+        """This spec, told its walk: a builder that made its nodes children first, in the
+        order ``walk`` visits them, has it without walking. Returns the spec."""
+        self.__dict__["_walk"] = (tuple(id(root) for root, _ in self.roots), list(nodes))
+        return self
 
 
 @dataclass
