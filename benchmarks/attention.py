@@ -6,10 +6,12 @@ attention (``F.scaled_dot_product_attention``, flash), side by side in one run.
 Eager and torch.compile run the same plain function eqfuse compiles (the causal one masks
 with ``tril`` + ``masked_fill`` and takes the softmax in float32); SDPA is the reference
 for speed and for values. Times are medians over interleaved rounds (benchmarks/common.py).
-TFLOP/s counts the two products, 4*B*H*S*S*D, halved when causal. A contender that runs
-out of GPU memory (eager at long sequences materialises the B*H*S*S scores) is recorded
-as such. eqfuse compiles with ``validate=False``: its own check runs the plain graph too,
-which needs that memory; the output is compared with SDPA's instead.
+TFLOP/s counts the two products, 4*B*H*S*S*D, halved when causal. Each row also keeps
+the autotuner's trials (every configuration it timed for the kernel, in microseconds).
+A contender that runs out of GPU memory (eager at long sequences materialises the
+B*H*S*S scores) is recorded as such. The results file is rewritten after each case.
+eqfuse compiles with ``validate=False``: its own check runs the plain graph too, which
+needs that memory; the output is compared with SDPA's instead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from common import bench_interleaved, inductor_compiled, save_results
 
 import eqfuse
 from eqfuse.examples import attention, causal_attention
+from eqfuse.runtime import autotune
 
 B, H = 4, 32
 
@@ -47,7 +50,7 @@ def main(argv=None):
             for dtype_name in args.dtypes:
                 for causal in (False, True):
                     rows.append(run_case(seq, d, getattr(torch, dtype_name), causal))
-    save_results(args.out, rows, batch=B, heads=H)
+                    save_results(args.out, rows, batch=B, heads=H)  # a run cut short keeps its cases
     return 0 if all(r["matches_sdpa"] for r in rows) else 1
 
 
@@ -57,8 +60,10 @@ def run_case(seq: int, d: int, dtype, causal: bool) -> dict:
     fn = causal_attention if causal else attention
     ref = sdpa(causal)(q, k, v)
     t0 = time.perf_counter()
+    tried = len(autotune.trials)
     compiled = eqfuse.compile(fn, (q, k, v), validate=False)
     eq_compile_s = time.perf_counter() - t0
+    trials = [{**cfg, "us": round(us, 1)} for _, _, cfg, us in autotune.trials[tried:]]
     got = compiled(q, k, v)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     ok = err <= (2e-2 if dtype == torch.float16 else 5e-2) and not got.isnan().any().item()
@@ -95,7 +100,8 @@ def run_case(seq: int, d: int, dtype, causal: bool) -> dict:
            "not_run": failed, "kernels": len(compiled.kernels), "fallbacks": len(compiled.fallbacks),
            "schedule": [k.schedule.describe() for k in compiled.kernels],
            "configs": [k.constexprs | k.launch for k in compiled.kernels],
-           "max_rel_err_vs_sdpa": err, "matches_sdpa": ok, "eqfuse_compile_s": round(eq_compile_s, 2)}
+           "max_rel_err_vs_sdpa": err, "matches_sdpa": ok, "eqfuse_compile_s": round(eq_compile_s, 2),
+           "autotune_trials": trials}
     cells = "  ".join(f"{n} {times[n]:8.1f} ({tflops(n):5.1f} TF)" if n in times else f"{n} {failed[n]}"
                       for n in ("eager", "torch_compile", "sdpa", "eqfuse"))
     print(f"{row['workload']:42s} {cells}  eqfuse/sdpa {row['eqfuse_over_sdpa']:.2f} "

@@ -87,13 +87,33 @@ def test_causal_mask_only_on_the_tiles_the_diagonal_crosses(name):
     assert "mindex" in edge and "nmask" in edge, edge
 
 
-def test_scale_and_log2e_are_one_multiplication():
-    ex = ATTENTION_EXAMPLES["attention"]
+@pytest.mark.parametrize("name", ["attention", "causal_attention"])
+def test_scale_and_log2e_are_one_fma(name):
+    """1/sqrt(d) and log2(e) are one constant c; the row max is taken of the raw products
+    and scaled once per row, and each score is scaled and shifted in one FMA, in both
+    loops (a causal mask keeps -inf, which c > 0 leaves -inf)."""
+    ex = ATTENTION_EXAMPLES[name]
     c = one_streamed_kernel(ex.fn, ex.make_inputs(1, 2, 64, 16, torch.float16, DEVICE))
-    (loop,) = key_loops(c.kernels[0].source)
-    scaled = [line for line in loop.splitlines() if "qk" in line and " * " in line]
-    (s_tile,) = [line for line in loop.splitlines() if "s_tile = " in line]
-    assert len(scaled) == 1 and f"* {0.25 / math.log(2)!r})" in scaled[0] and " * " not in s_tile, loop
+    scale = repr(0.25 / math.log(2))
+    loops = key_loops(c.kernels[0].source)
+    assert len(loops) == (2 if name == "causal_attention" else 1)
+    for loop in loops:
+        lines = loop.splitlines()
+        assert not [line for line in lines if "qk" in line and " * " in line], loop
+        assert f"m_new = tl.maximum(m_run, tl.max(s_tile, 1) * {scale})" in loop, loop
+        assert f"p = tl.exp2(s_tile * {scale} - m_ref[:, None])" in loop, loop
+
+
+def test_key_tiles_are_read_at_offsets_computed_once():
+    """K and V tiles move with the keys at a fixed stride: their offset tiles are computed
+    before the loops and each tile is read at n0 * stride past them."""
+    ex = ATTENTION_EXAMPLES["causal_attention"]
+    c = one_streamed_kernel(ex.fn, ex.make_inputs(1, 2, 64, 16, torch.float16, DEVICE))
+    source = c.kernels[0].source
+    for loop in key_loops(source):
+        loads = [line for line in loop.splitlines() if "tl.load(" in line]
+        assert len(loads) == 2 and all("n0 * 16 + offs" in line for line in loads), loop
+    assert source.count("offs") >= 2 + 2 * 2  # two offset tiles made once, used by both loops
 
 
 def test_padding_and_windows_keep_one_masked_loop():
@@ -198,3 +218,92 @@ def test_softmax_alone_stays_a_row_reduction():
     c = eqfuse.compile(lambda x: torch.softmax(x, -1), (x,))
     assert_matches(c(x), torch.softmax(x, -1))
     assert [k.schedule.kind for k in c.kernels] == ["reduction"]
+
+
+# --- the TMA form: q, k and v tiles through tensor descriptors ---------------------------------
+
+TMA_CFG = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "TMA": 1}
+
+
+def _module(compiled, cfg):
+    from eqfuse.codegen.module import generate_module
+    from eqfuse.runtime.cache import cache_key, load_module
+    (kern,) = compiled.kernels
+    source, infos = generate_module(compiled.plan, "tma", "test", {kern.name: cfg})
+    module = load_module(cache_key(source), source, interpret=DEVICE == "cpu")
+    return module, next(i for i in infos if i.name == kern.name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, batch, heads, seq, head_dim", [
+    ("attention", 2, 2, 64, 16),  # rows a multiple of both blocks: heads stacked in one descriptor
+    ("causal_attention", 1, 2, 96, 80),  # a head dim TMA pads with zeros (80 of 128)
+    ("causal_attention", 1, 1, 100, 16),  # one head: ragged rows read as zeros past the end
+    ("padded_attention", 2, 2, 64, 16),  # a padding mask read beside the descriptors
+])
+def test_tma_form_matches_eager(name, batch, heads, seq, head_dim, dtype):
+    """The TMA form, forced with a config on any device (the interpreter runs descriptors):
+    no pointer load of q, k or v is left, and it computes what eager does."""
+    ex = ATTENTION_EXAMPLES[name]
+    torch.manual_seed(0)
+    inputs = ex.make_inputs(batch, heads, seq, head_dim, dtype, DEVICE)
+    compiled = one_streamed_kernel(ex.fn, inputs)
+    assert compiled.kernels[0].schedule.tma
+    module, info = _module(compiled, TMA_CFG)
+    assert info.fallback is not None and info.source.count("tl.make_tensor_descriptor(") == 3, info.source
+    pointer_loads = [line for line in info.source.splitlines() if "tl.load(in0" in line or "tl.load(in1" in line
+                     or "tl.load(in2" in line]
+    assert pointer_loads == [], info.source
+    (out,) = module.call(inputs[0].device, [], *inputs)
+    assert_matches(out, ex.fn(*inputs), contraction=True)
+
+
+def test_tma_form_keeps_pointers_where_a_tile_would_cross_heads():
+    """100 rows per head, tiles of 32: a tile at the end of one head would read the next
+    head's rows; those operands are read through pointers (with masks)."""
+    ex = ATTENTION_EXAMPLES["attention"]
+    torch.manual_seed(0)
+    inputs = ex.make_inputs(1, 2, 100, 16, torch.float16, DEVICE)
+    compiled = one_streamed_kernel(ex.fn, inputs)
+    module, info = _module(compiled, TMA_CFG)
+    assert "tl.make_tensor_descriptor(" not in info.source and info.fallback is None
+    (out,) = module.call(inputs[0].device, [], *inputs)
+    assert_matches(out, ex.fn(*inputs), contraction=True)
+
+
+def test_tma_configs_are_offered_only_where_the_device_and_the_operands_take_them(monkeypatch):
+    from eqfuse.codegen import attention, tma
+    from eqfuse.codegen import kernel as kgen
+    ex = ATTENTION_EXAMPLES["attention"]
+    sched = one_streamed_kernel(ex.fn, ex.make_inputs(1, 2, 64, 16, torch.float16, DEVICE)).kernels[0].schedule
+    gqa = ATTENTION_EXAMPLES["gqa_attention"]
+    shared = one_streamed_kernel(gqa.fn, gqa.make_inputs(1, 2, 64, 16, torch.float16, DEVICE)).kernels[0].schedule
+    assert sched.tma and not shared.tma  # k and v broadcast over heads: no descriptor
+    monkeypatch.setattr(tma, "device_supports", lambda: False)
+    assert not any("TMA" in c for c in attention.candidates(sched))
+    monkeypatch.setattr(tma, "device_supports", lambda: True)
+    cands = attention.candidates(sched)
+    with_tma = [c for c in cands if "TMA" in c]
+    assert len(with_tma) == attention.TMA_TILES
+    assert all({k: v for k, v in c.items() if k != "TMA"} in cands for c in with_tma)
+    assert not any("TMA" in c for c in attention.candidates(shared))
+    assert kgen.fits(sched, TMA_CFG) and not kgen.fits(sched, {**TMA_CFG, "TMA": 2})
+
+
+def test_tma_kernel_runs_its_pointer_twin_for_an_unaligned_input():
+    ex = ATTENTION_EXAMPLES["attention"]
+    torch.manual_seed(0)
+    q, k, v = ex.make_inputs(1, 2, 64, 16, torch.float16, DEVICE)
+    compiled = one_streamed_kernel(ex.fn, (q, k, v))
+    module, info = _module(compiled, TMA_CFG)
+    launcher = getattr(module, f"{info.name}_launch")
+    calls = []
+    twin = launcher.otherwise
+    launcher.otherwise = lambda *t: (calls.append(1), twin(*t))
+    module.call(q.device, [], q, k, v)
+    assert calls == []
+    shifted = torch.empty(k.numel() + 1, dtype=k.dtype, device=k.device)[1:].view_as(k)
+    shifted.copy_(k)
+    (out,) = module.call(q.device, [], q, shifted, v)
+    assert calls == [1]
+    assert_matches(out, ex.fn(q, k, v), contraction=True)

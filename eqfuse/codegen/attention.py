@@ -26,34 +26,41 @@ then the few tiles the band's edge crosses, with the mask (see ``unmasked_scores
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+import re
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
-from .indexing import Env, Idx, env_key, env_of, reshape_env
+from . import tma
+from .indexing import Env, Idx, env_key, env_of, reshape_env, strided_offset
 from .kernel import KernelWriter, Val, literal, next_pow2
 from .tiles import MIN_BLOCK, well_formed
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages): the shapes FlashAttention's Triton kernels
-# run well with on Hopper and Ampere. The first is the untimed choice: on an H100 it was
-# the fastest or within 7% of it for head dims 64 and 128, causal or not (S=2048).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), each timed by the autotuner. The first is the
+# untimed choice. On an H100 (benchmarks/attention_probe.py) 64 x 64 on 4 warps, two
+# programs per SM, was the fastest for head dim 64 and for head dim 128 at 2048 keys,
+# causal or not; 128 x 128 on 8 warps at 8192 keys, no mask. 64 x 32 on 2 stages is for
+# head dims whose tiles the larger shapes cannot hold in shared memory.
 TILES = [
     (64, 64, 4, 3),
     (128, 64, 4, 2),
     (128, 64, 8, 3),
     (128, 128, 8, 3),
-    (64, 64, 4, 4),
     (128, 64, 4, 3),
-    (128, 32, 4, 3),
     (64, 128, 4, 3),
     (64, 32, 4, 2),
-    (128, 32, 8, 3),
 ]
 BAND_ANALYSIS_MAX = 1 << 28  # score elements (rows x columns) the mask analysis looks at
 CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+TMA_TILES = 4  # the first TILES also offered with K and V (and q) read through TMA descriptors
+# Offsets of K and V tiles are computed once, before the loops, where the accumulator
+# takes at most this many registers per thread; above it (128 rows x 128 head dims on 4
+# warps) the registers they hold made the kernel spill (H100: 38 spills, 12% slower than
+# recomputing them in the loop; benchmarks/attention_probe.py).
+HOIST_MAX_ACC_REGS = 64
 LOG2E = 1 / math.log(2)
 
 
@@ -132,8 +139,61 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     if math.prod(batch) > MAX_GRID_Y:
         raise Unschedulable(f"a batch of {math.prod(batch)} attention heads (the grid takes {MAX_GRID_Y})")
     e = dots[0].args[0].shape[-1] if dots else 0
-    return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype,
-                    dots=len(values), band=masked_band(s))
+    sched = Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype,
+                     dots=len(values), band=masked_band(s))
+    keys = [(dots[0].args[1], "fn")] if dots else []
+    return replace(sched, tma=bool(keys) and all(plain_operand(x, sched, axes) is not None
+                                                 for x, axes in keys + [(v, "jd") for v in values]))
+
+
+def attention_env(sched, axes: str, shape) -> Env:
+    """The environment of a tile over ``axes``: b batch, m rows, n score columns, j value
+    rows (the same keys as a column vector), d value columns, e / f the head dim of q
+    (row) and k^T (column)."""
+    extents = {"b": math.prod(sched.batch), "m": sched.m, "n": sched.n, "j": sched.n, "d": sched.d,
+               "e": sched.k, "f": sched.k}
+    atoms = [(Idx(f"{x}index", frozenset(x)), extents[x]) for x in "b" + axes]
+    return env_of(atoms, tuple(sched.batch) + tuple(shape))
+
+
+# --- tiles through TMA descriptors ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plain:
+    """A q, k or v operand read as stored, seen as a row-major matrix [heads * rows, cols]
+    (its head dim contiguous, the heads' rows one after another), as a TMA descriptor
+    describes it."""
+    buf: str
+    offset: int  # elements from the buffer's start
+    heads: int
+    rows: int
+    cols: int
+    stride: int  # between rows, in elements
+
+
+def plain_operand(node: PNode, sched, axes: str) -> Plain | None:
+    """How the tile of ``node`` over ``axes`` (a key or query axis and a head-dim axis,
+    in either order) lies in memory, if a descriptor can fetch it; None where it is
+    computed, broadcast across heads, not contiguous along the head dim, or where TMA's
+    16-byte alignment of the row stride and the offset does not hold."""
+    base, benv = node, attention_env(sched, axes, node.shape[-2:])
+    while base.op in ("broadcast", "reshape", "permute"):
+        base, benv = base.args[0], KernelWriter.operand_env(base, benv)
+    if base.op != "load" or base.dtype not in ("float16", "bfloat16", "float32"):
+        return None
+    buf, strides, offset = base.attrs
+    row, col = (f"{a}index" for a in sorted(axes, key=lambda a: a in "def"))
+    affine = tma.atom_strides(benv, strides, base.shape)
+    if affine is None or not {row, col} <= set(affine) or not set(affine) <= {row, col, "bindex"}:
+        return None
+    (stride, rows), (unit, cols) = affine[row], affine[col]
+    heads = affine["bindex"][1] if "bindex" in affine else 1
+    if unit != 1 or ("bindex" in affine and affine["bindex"][0] != stride * rows):
+        return None
+    item = ops.itemsize(base.dtype)
+    if (stride * item) % tma.ALIGN or (offset * item) % tma.ALIGN or stride < cols:
+        return None
+    return Plain(buf, offset, heads, rows, cols, stride)
 
 
 # --- which columns a row can see ------------------------------------------------------------
@@ -234,6 +294,11 @@ def unmasked_scores(s: PNode, band) -> PNode | None:
     return None if out is s else out
 
 
+def _scaled(scores: PNode) -> tuple:
+    """``(x, c)`` from ``split_scale``, or ``(scores, None)``."""
+    return split_scale(scores) or (scores, None)
+
+
 class _Varies(Exception):
     """A static subtree of the scores takes more than one value inside the band."""
 
@@ -299,6 +364,43 @@ def _cast_is_free(node: PNode) -> bool:
     return dst == src or (dst == "float32" and src in ops.NARROW_FLOATS)
 
 
+def split_scale(s: PNode) -> tuple[PNode, float] | None:
+    """``(x, c)`` with ``s == x * c`` for a constant ``c > 0``, where the scores (in log2
+    units) end in a multiplication by a constant, under free casts and a select whose
+    other branch is -inf (-inf * c is -inf). The key loop then takes the row max of ``x``
+    and scales it once per row (rounding is monotonic, so ``max(x) * c`` is the max of
+    ``x * c``), and ``x * c - max`` becomes one FMA per score. None for other forms."""
+    op = s.op
+    if op == "cast" and _cast_is_free(s):
+        inner = split_scale(s.args[0])
+        return (replace(s, args=(inner[0],)), inner[1]) if inner is not None else None
+    if op == "where":
+        c, a, b = s.args
+        for keep, other in ((a, b), (b, a)):
+            if _is_neg_inf(other):
+                inner = split_scale(keep)
+                if inner is None or inner[0].shape != keep.shape:
+                    return None
+                args = (c, inner[0], other) if keep is a else (c, other, inner[0])
+                return replace(s, args=args), inner[1]
+        return None
+    if op == "binary" and s.attrs[0] == "mul":
+        a, k = s.args
+        if a.op == "const":
+            a, k = k, a
+        if k.op == "const" and a.shape == s.shape and a.dtype == s.dtype:
+            value = float(k.attrs[0])
+            if 0 < value < math.inf:
+                return a, value
+    return None
+
+
+def _is_neg_inf(node: PNode) -> bool:
+    while node.op == "broadcast":
+        node = node.args[0]
+    return node.op == "const" and float(node.attrs[0]) == float("-inf")
+
+
 def _static(node: PNode):
     """The value of a subtree made of indices and constants only (no loads), small: a
     broadcast is left to torch's implicit broadcasting. None if it reads memory."""
@@ -335,7 +437,9 @@ def _static(node: PNode):
 # --- configurations ---------------------------------------------------------------------------
 
 def candidates(sched) -> list[dict]:
-    """Tile configurations in the model's order, clamped to the sizes."""
+    """Tile configurations in the model's order, clamped to the sizes; on a GPU that has
+    TMA, where K and V can be read through descriptors, the first TMA_TILES of them
+    again with ``TMA``: the two forms are alternatives the autotuner times."""
     out = []
     for bm, bn, warps, stages in TILES:
         cfg = {"BLOCK_M": max(MIN_BLOCK, min(bm, next_pow2(sched.m))),
@@ -343,11 +447,18 @@ def candidates(sched) -> list[dict]:
                "num_warps": warps, "num_stages": stages}
         if cfg not in out:
             out.append(cfg)
+    if sched.tma and tma.device_supports():
+        out += [{**cfg, "TMA": 1} for cfg in out[:TMA_TILES]]
     return out
 
 
 def runnable(cfg: dict) -> bool:
-    """Whether a configuration (from a cache, or a user) is one an attention kernel can run with."""
+    """Whether a configuration (from a cache, or a user) is one an attention kernel can run
+    with (``TMA`` 1 where the kernel has no describable operand runs the pointer form)."""
+    if "TMA" in cfg:
+        if cfg["TMA"] != 1:
+            return False
+        cfg = {k: v for k, v in cfg.items() if k != "TMA"}
     return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N"))
 
 
@@ -365,28 +476,20 @@ class AttentionWriter(KernelWriter):
         # The scores each loop computes, in log2 units: masked (all of the band), and
         # unmasked (the tiles every row of a program sees whole) where the mask allows.
         # The writer keeps them: its memos are keyed by node id.
-        self.masked = log2_scaled(self.scores)
+        # Each is (x, c): the scores are x * c, c a constant > 0 (see split_scale), or c
+        # is None and x is the scores themselves.
+        self.masked = _scaled(log2_scaled(self.scores))
         inner = unmasked_scores(self.scores, sched.band)
-        self.unmasked = log2_scaled(inner) if inner is not None else None
-        trees = [self.masked] + ([self.unmasked] if self.unmasked is not None else [])
+        self.unmasked = _scaled(log2_scaled(inner)) if inner is not None else None
+        trees = [self.masked[0]] + ([self.unmasked[0]] if self.unmasked is not None else [])
         self.in_scores = {id(x) for t in trees for x in t.walk()}
         self.results: dict = {}  # node id -> Val after the loop
-
-    # environments: b batch, m rows, n score columns, j value rows (the same keys as a
-    # column vector), d value columns, e / f the head dim of q (row) and k^T (column)
-    def atoms(self):
-        s = self.s
-        return {"b": (Idx("bindex", frozenset("b")), math.prod(s.batch)),
-                "m": (Idx("mindex", frozenset("m")), s.m),
-                "n": (Idx("nindex", frozenset("n")), s.n),
-                "j": (Idx("jindex", frozenset("j")), s.n),
-                "d": (Idx("dindex", frozenset("d")), s.d),
-                "e": (Idx("eindex", frozenset("e")), s.k),
-                "f": (Idx("findex", frozenset("f")), s.k)}
+        self.offsets: dict = {}  # (buffer, offset tile at the loop's first key) -> its name
+        self.cfg: dict = {}
+        self.descs: dict = {}  # (Plain, row block, column block) -> descriptor name
 
     def env(self, axes: str, shape) -> Env:
-        a = self.atoms()
-        return env_of([a[x] for x in "b" + axes], tuple(self.s.batch) + tuple(shape))
+        return attention_env(self.s, axes, shape)
 
     def out_env(self):
         return self.env("md", (self.s.m, self.s.d))
@@ -462,16 +565,18 @@ class AttentionWriter(KernelWriter):
             self.results[id(f)] = Val(f'tl.where(empty, float("nan"), acc{i})', frozenset("md"))
         self.results["max"] = Val(f"(m_run[:, None] * {math.log(2)!r})", frozenset("m"))
 
-    def key_loop(self, start: str, stop: str, scores: PNode, sums, prods, note: str = ""):
-        """One loop over key tiles ``start..stop``, with ``scores`` (in log2 units), under
-        the comment ``note``. A loop that starts at 0 and ends at ``mid`` (a multiple of
-        BLOCK_N, at most N) has every tile inside the keys: no bounds mask either."""
+    def key_loop(self, start: str, stop: str, scores: tuple, sums, prods, note: str = ""):
+        """One loop over key tiles ``start..stop``, with ``scores`` (in log2 units, as
+        ``(x, c)``: see ``__init__``), under the comment ``note``. A loop that starts at 0
+        and ends at ``mid`` (a multiple of BLOCK_N, at most N) has every tile inside the
+        keys: no bounds mask either."""
         s = self.s
         self.open_loop()
         ragged = dict(self.uneven)
         if stop == "mid":
             self.uneven = {a: name for a, name in ragged.items() if a not in "nj"}
-        sv = self.emit(scores, self.env("mn", (s.m, s.n)))
+        x, scale = scores
+        sv = self.emit(x, self.env("mn", (s.m, s.n)))
         score = sv.expr
         if not {"m", "n"} <= sv.axes:
             score = f"tl.broadcast_to({score}, [BLOCK_M, BLOCK_N])" if sv.axes else \
@@ -480,13 +585,16 @@ class AttentionWriter(KernelWriter):
             score = f'tl.where(nmask, {score}, -float("inf"))'
         body = self.loop
         # Row statistics are [BLOCK_M]: the running max m_run, and the sums l.
+        # With a scale c: the row max of x times c (one multiplication per row), and
+        # x * c - max in one FMA per score.
+        c = f" * {literal(scale, 'float32')}" if scale is not None else ""
         body += [f"s_tile = ({score}).to(tl.float32)",
-                 "m_new = tl.maximum(m_run, tl.max(s_tile, 1))",
+                 f"m_new = tl.maximum(m_run, tl.max(s_tile, 1){c})",
                  # A row that has seen only -inf keeps a finite reference (0): no NaN
                  # from -inf - -inf, and its sums stay 0 until a score arrives.
                  'm_ref = tl.where(m_new == -float("inf"), 0.0, m_new)',
                  "alpha = tl.exp2(m_run - m_ref)",
-                 "p = tl.exp2(s_tile - m_ref[:, None])"]
+                 f"p = tl.exp2(s_tile{c} - m_ref[:, None])"]
         for i, _ in enumerate(sums):
             body.append(f"l{i} = l{i} * alpha + tl.sum(p, 1)")
         want = ops.TRITON_DTYPES[s.dot_dtype]
@@ -498,25 +606,105 @@ class AttentionWriter(KernelWriter):
         self.memo_loop = {}
         head = [f"# {note}"] if note else []
         head += [f"for n0 in range({start}, {stop}, BLOCK_N):",
-                "    nindex = n0 + tl.arange(0, BLOCK_N)[None, :]",
-                "    jindex = n0 + tl.arange(0, BLOCK_N)[:, None]"]
+                 "    nindex = n0 + narange",
+                 "    jindex = n0 + jarange"]
         if "n" in self.uneven:
             head += ["    nmask = nindex < N", "    jmask = jindex < N"]
         self.uneven = ragged
         self.lines.extend(head)
         self.lines.extend("    " + b for b in body)
 
+    def _emit_load(self, node, env, upcast: bool = True):
+        """In a key loop, a load whose offset moves with the keys at a fixed stride (K and
+        V tiles, a padding mask) reads at ``n0 * stride`` past a tile of offsets computed
+        once, before the loops, at the first key: no index arithmetic per element per
+        tile, only the add."""
+        moving = self.key_stride(node, env)
+        if moving is None:
+            return super()._emit_load(node, env, upcast)
+        atom, stride = moving
+        buf, strides, offset = node.attrs
+        if buf not in self.params:
+            self.params.append(buf)
+        off = strided_offset(env, strides, node.shape, offset)
+        first = re.sub(rf"\b{atom}\b", atom[0] + "arange", off.expr)
+        name = self.offsets.get((buf, first))
+        if name is None:
+            name = self.offsets[(buf, first)] = self.fresh("offs")
+            self.lines.append(f"{name} = {first}")
+        axes = off.axes | (env.guard.axes if env.guard is not None else frozenset())
+        m = self.mask(axes, env.guard)
+        ptr = f"{buf} + n0{self.index_dtype_cast} * {stride} + {name}"
+        text = f"tl.load({ptr}, mask={m}, other=0)" if m else f"tl.load({ptr})"
+        if upcast and node.dtype in ops.NARROW_FLOATS:
+            text += ".to(tl.float32)"
+        return self.assign(text, axes, "v")
+
+    def key_stride(self, node, env) -> tuple[str, int] | None:
+        """``(index, stride)`` where a load inside a key loop moves along one key index
+        (``nindex`` or ``jindex``) and its offset is affine in it; None otherwise, or
+        where the registers are too few to keep offset tiles (HOIST_MAX_ACC_REGS)."""
+        sizes = {**self.cfg, **self.s.sizes}
+        if self.loop is None or not sizes:
+            return None
+        if sizes["BLOCK_M"] * sizes["BLOCK_D"] > HOIST_MAX_ACC_REGS * 32 * sizes["num_warps"]:
+            return None
+        buf, strides, offset = node.attrs
+        off = strided_offset(env, strides, node.shape, offset)
+        moving = off.axes & self.loop_axes
+        if len(moving) != 1:
+            return None
+        atom = f"{next(iter(moving))}index"
+        affine = tma.atom_strides(env, strides, node.shape)
+        if affine is None or atom not in affine:
+            return None
+        return atom, affine[atom][0]
+
     def dot_operand(self, node, env, axes, block) -> str:
         """As the base writer's, with a tile that does not move with the keys (the query
-        tile) kept for the kernel, not the loop: both key loops use the one load."""
+        tile) kept for the kernel, not the loop: both key loops use the one load. In the
+        TMA form, a tile a descriptor can fetch is fetched by one."""
         key = ("operand", id(node), env_key(env))
         if key in self.memo_outer:
             return self.memo_outer[key].expr
+        text = self.descriptor_load(node, axes) if self.cfg.get("TMA") else None
+        if text is not None:
+            val = self.assign(text, frozenset(axes), "a" if "m" in axes else "b")
+            (self.memo_loop if self.in_loop(val.axes) else self.memo_outer)[key] = val
+            return val.expr
         expr = super().dot_operand(node, env, axes, block)
         val = self.memo_loop[key]
         if not self.in_loop(val.axes):
             self.memo_outer[key] = val
         return expr
+
+    def descriptor_load(self, node, axes) -> str | None:
+        """The tile of a q, k or v operand over ``axes`` fetched through a descriptor of
+        its buffer as a [heads * rows, cols] matrix (``Plain``), transposed for k^T;
+        None where no descriptor describes it, where a tile would reach into the next
+        head's rows (rows not a multiple of the block), or for tensors of 2^31 elements
+        and more (descriptor coordinates are 32-bit). Past the matrix's edges TMA reads
+        zeros: ragged keys and head dims need no mask."""
+        plain = plain_operand(node, self.s, "".join(axes))
+        if plain is None or self.index_dtype_cast:
+            return None
+        key_axis = next(a for a in axes if a in "mnj")
+        rblock = "BLOCK_M" if key_axis == "m" else "BLOCK_N"
+        cblock = "BLOCK_D" if "d" in axes else "BLOCK_E"
+        if plain.heads > 1 and plain.rows % {**self.cfg, **self.s.sizes}[rblock]:
+            return None
+        desc = (plain, rblock, cblock)
+        if desc not in self.descs:
+            name = self.descs[desc] = f"desc_{plain.buf}_{len(self.descs)}"
+            base = f"{plain.buf} + {plain.offset}" if plain.offset else plain.buf
+            self.lines.append(f"{name} = tl.make_tensor_descriptor({base}, shape=[{plain.heads * plain.rows}, "
+                              f"{plain.cols}], strides=[{plain.stride}, 1], block_shape=[{rblock}, {cblock}])")
+            self.tma_params.add(plain.buf)
+            if plain.buf not in self.params:
+                self.params.append(plain.buf)
+        start = "pid_m * BLOCK_M" if key_axis == "m" else "n0"
+        row = f"bindex * {plain.rows} + {start}" if plain.heads > 1 else start
+        return f"{self.descs[desc]}.load([{row}, 0])" + (".T" if axes[0] in "def" else "")
 
     def head(self, cfg) -> list[str]:
         s = self.s
@@ -529,7 +717,10 @@ class AttentionWriter(KernelWriter):
         cast = self.index_dtype_cast
         out = ["pid_m = tl.program_id(0)",
                f"mindex = pid_m{cast} * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
-               "dindex = tl.arange(0, BLOCK_D)[None, :]"]
+               "dindex = tl.arange(0, BLOCK_D)[None, :]",
+               # the key indices of a tile, less its first key n0
+               "narange = tl.arange(0, BLOCK_N)[None, :]",
+               "jarange = tl.arange(0, BLOCK_N)[:, None]"]
         if s.k:
             out += ["eindex = tl.arange(0, BLOCK_E)[None, :]", "findex = tl.arange(0, BLOCK_E)[:, None]"]
         if s.batch:
@@ -557,6 +748,7 @@ class AttentionWriter(KernelWriter):
         return out
 
     def write_body(self, cfg) -> list[str]:
+        self.cfg = cfg
         head = self.head(cfg)
         self.stream()
         for root, buf in self.spec.roots:
