@@ -95,6 +95,8 @@ class Extractor:
         self._fallback_reads: dict = {}  # and the buffers each reads
         self._recipes: dict[str, tuple] = {}  # class -> how a kernel computes it (see _recipe)
         self._stored_loads: dict[str, tuple] = {}  # class -> how a kernel reads its buffer
+        self._fixed_buffers: dict | None = None  # inputs and eager steps' outputs, for trial plans
+        self._temp_buffers: dict[str, Buffer] = {}  # class -> its buffer, for trial plans
 
     # --- 1. types ------------------------------------------------------------------------------
     def _type_of_node(self, n: ENode, types):
@@ -377,7 +379,7 @@ class Extractor:
             k = base.kernels.get(c) if base is not None else None
             if k is None or k.extra != extra or not k.looked_at.isdisjoint(moved):
                 if not buffers:
-                    buffers.update(self._buffers(M))
+                    buffers.update(self._trial_buffers(M))
                 k = self._kernel_eval(c, extra, M, memo, buffers)
             st.add(c, k)
         return st
@@ -418,7 +420,7 @@ class Extractor:
         acceptable before this check is acceptable after it, or rejected: never better."""
         if all(k.checked for k in st.kernels.values()):
             return st
-        buffers = self._buffers(st.M)
+        buffers = self._trial_buffers(st.M)
         out = _State(st.M, st.host, self)
         for c, k in st.kernels.items():
             if not k.checked:
@@ -472,6 +474,20 @@ class Extractor:
         for c in M:
             shape, dtype = self.types[c]
             buffers[self.buffer_name(c)] = Buffer(self.buffer_name(c), shape, dtype, "temp", self._strides(c))
+        return buffers
+
+    def _trial_buffers(self, M) -> dict:
+        """``_buffers(M)`` for costing trial plans, from Buffer objects made once per class
+        (the code generator and the cost model only read them; the plan gets its own)."""
+        if self._fixed_buffers is None:
+            self._fixed_buffers = self._buffers(())
+        buffers = dict(self._fixed_buffers)
+        for c in M:
+            b = self._temp_buffers.get(c)
+            if b is None:
+                shape, dtype = self.types[c]
+                b = self._temp_buffers[c] = Buffer(self.buffer_name(c), shape, dtype, "temp", self._strides(c))
+            buffers[b.name] = b
         return buffers
 
     def _strides(self, c) -> tuple:
