@@ -63,7 +63,10 @@ def _load_store() -> dict:
 def _save(key: str, cfg: dict) -> None:
     store = _load_store()
     store[key] = cfg
-    write_atomic(_store_path(), json.dumps(store, indent=1, sort_keys=True))
+    # Keys in the config's own order: a kernel's constexpr parameters come in that order, so a
+    # config read back sorted made another source than the one timed (and compiled) here,
+    # and every later process compiled the graph's kernels again.
+    write_atomic(_store_path(), json.dumps(store, indent=1))
 
 
 def _scratch_tensors(plan, example_inputs, constants) -> dict:
