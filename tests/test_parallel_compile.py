@@ -183,3 +183,13 @@ def test_a_pool_that_cannot_start_leaves_kernels_to_the_first_launch(child_run):
         assert out["compiled_in_pool"] == 0 and out["cached"] == 0, out
         assert out["note"].startswith("compile pool failed, kernels compile serially at first launch"), out
     assert "no compiler here" in child_run["broken"]["note"]  # the worker's last words
+
+
+def test_autotune_store_keeps_a_configs_key_order(tmp_path, monkeypatch):
+    """A kernel's constexpr parameters come in its config's order: a config read back in
+    another order makes another source, which a later process compiles again."""
+    from eqfuse.runtime import autotune
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    autotune._save("a kernel", cfg)
+    assert list(autotune._load_store()["a kernel"]) == list(cfg)
