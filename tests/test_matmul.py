@@ -382,3 +382,16 @@ def test_tma_form_on_the_gpu(dtype):
     assert_matches(out, ex.fn(x, w, b), contraction=True)
     # And the autotuner, offered both forms, picks a runnable one that agrees
     assert_matches(compiled(x, w, b), ex.fn(x, w, b), contraction=True)
+
+
+def test_tile_model_hides_a_short_k_matmuls_store_behind_other_programs():
+    """q @ k^T at head dim 128 writes far more than it computes: the model ranks first a
+    tile of which an SM holds several (one's store overlaps another's loads); a long-K
+    matmul keeps the big tile."""
+    from eqfuse.codegen import tiles
+    from eqfuse.codegen.kernel import Schedule
+    scores = Schedule("matmul", batch=(256,), m=2048, n=2048, k=128, dot_dtype="float16", dots=1)
+    best = tiles.ranked(scores)[0]
+    assert tiles.resident(scores, best) > 1
+    big = tiles.ranked(Schedule("matmul", m=8192, n=4096, k=4096, dot_dtype="float16", dots=1))[0]
+    assert (big["BLOCK_M"], big["BLOCK_N"]) in ((128, 256), (256, 128))

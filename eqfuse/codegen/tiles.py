@@ -46,6 +46,7 @@ GROUP_M = 8
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 SHARED_MEMORY = 220 * 1024  # bytes a program may stage (H100/H200: 227 KB per SM)
 MAX_ACCUMULATOR = 128 * 256  # float32 accumulator elements per program, over all products
+REGISTER_ACCUMULATORS = 2 * MAX_ACCUMULATOR  # what an SM's registers hold, over its programs
 STEP_OVERHEAD_US = 0.02
 TILE_OVERHEAD_US = 0.3
 PERSISTENT_TILE_OVERHEAD_US = 0.1  # the TMA form: the next tile's loads overlap this one's epilogue
@@ -100,6 +101,13 @@ def _operand_rows(sched, cfg: dict) -> int:
     return cfg["BLOCK_M"] + (1 if sched.summed else sched.dots) * cfg["BLOCK_N"]
 
 
+def resident(sched, cfg: dict) -> int:
+    """Programs an SM holds at once, as far as their staged operands and accumulators let it."""
+    staged = _operand_rows(sched, cfg) * cfg["BLOCK_K"] * ops.itemsize(sched.dot_dtype) * cfg["num_stages"]
+    accumulators = cfg["BLOCK_M"] * cfg["BLOCK_N"] * _accumulators(sched)
+    return max(1, min(SHARED_MEMORY // staged, REGISTER_ACCUMULATORS // accumulators))
+
+
 def programs(sched, cfg: dict) -> int:
     """Persistent programs: one per SM, or one per tile where there are fewer tiles."""
     tiles = math.ceil(sched.m / cfg["BLOCK_M"]) * math.ceil(sched.n / cfg["BLOCK_N"])
@@ -142,7 +150,13 @@ def modelled_time_us(sched, cfg: dict, device: Device | None = None) -> float:
         flops, steps = flops // sched.dots, steps * sched.dots
     step = max(flops / per_sm_flops, moved / per_sm_bytes) + STEP_OVERHEAD_US
     per_tile = PERSISTENT_TILE_OVERHEAD_US if "PROGRAMS" in cfg else TILE_OVERHEAD_US
-    return waves * (steps * step + per_tile)
+    body = steps * step + per_tile
+    # The output tile's store: hidden behind another program's loads where the SM holds
+    # two or more (or the persistent form fetches the next tile meanwhile), else after the
+    # loop. With a short K (q @ k^T at head dim 128) the store is most of the work.
+    store = bm * bn * ops.itemsize(sched.dot_dtype) / (device.bandwidth_bytes_per_us / device.sms)
+    overlapped = "PROGRAMS" in cfg or resident(sched, cfg) > 1
+    return waves * (max(body, store) if overlapped else body + store)
 
 
 def ranked(sched, device: Device | None = None) -> list[dict]:
