@@ -74,7 +74,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
             # its own thread, and the translation sits in reference cycles that the garbage
             # collector would break on whichever thread it runs (the autograd engine's compiles
             # a backward graph; the main thread collects it).
-            tr.egraph = None
+            _drop_egraph(tr)
         seconds["extract"] = time.perf_counter() - t0
         return plan, sat, ext_report
 
@@ -166,6 +166,23 @@ def _compile_kernels(module, infos, plan, inputs, parallel: bool, tuning: dict, 
         notes = list(dict.fromkeys(o.note for o in outcomes.values() if o.note))
         if notes:
             report["note"] = "; ".join([report["note"]] + notes if report.get("note") else notes)
+
+
+def _drop_egraph(tr) -> None:
+    """Free the translation's e-graph now, on this thread. Letting go of the reference is
+    not enough: egglog 13.2 keeps the state that owns the Rust e-graph in reference cycles
+    of its own (a recursive closure per ``run``), broken by a later garbage collection, on
+    whichever thread runs it. The state lets go of the Rust object here; with an egglog
+    laid out otherwise, a full collection on this thread does it."""
+    egraph, tr.egraph = tr.egraph, None
+    if egraph is None:
+        return
+    state = getattr(egraph, "_state", None)
+    if state is not None and hasattr(state, "egraph"):
+        state.egraph = None
+    else:
+        import gc
+        gc.collect()
 
 
 def _interpreter_ready() -> bool:
