@@ -13,6 +13,19 @@ Times, side by side with ``F.scaled_dot_product_attention`` in interleaved round
 
 A variant that does not compile is recorded with its error, not fatal. Every variant's
 output is checked against SDPA's.
+
+What it found on H100s (benchmarks/results/attention-probe_..., two sessions; the
+autotuner's trials in the attention benchmark's results agree): at head dim 128 the
+fastest tiles are 64 x 64 on 4 warps (two programs per SM) or 128 x 128 on 8 warps;
+128 x 64 on 4 warps spills (255 registers) when offset tiles are kept across the loop.
+TMA descriptors for K and V helped the hand kernel where pointers spilled (128 x 64,
+4 warps: 3-10%) but in eqfuse's kernel (q, k and v through descriptors, offered to the
+autotuner beside the pointer form) won none of 16 benchmark cases, 1-10% behind; the form
+was taken out again. Issuing the next tile's q @ k before this tile's softmax made the
+kernel slower (Triton waits for the product at once; with 4 warps it spills), persistent
+programs were slower, and ``tl.range(flatten=True)`` over the nested key loops either ran
+out of shared memory, failed to compile or gave wrong results. ``warp_specialize`` on the
+key loop compiled only without a mask and changed nothing.
 """
 
 from __future__ import annotations

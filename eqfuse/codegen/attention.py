@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -55,11 +55,10 @@ TILES = [
 ]
 BAND_ANALYSIS_MAX = 1 << 28  # score elements (rows x columns) the mask analysis looks at
 CONFIG_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
-TMA_TILES = 4  # the first TILES also offered with K and V (and q) read through TMA descriptors
 # Offsets of K and V tiles are computed once, before the loops, where the accumulator
 # takes at most this many registers per thread; above it (128 rows x 128 head dims on 4
-# warps) the registers they hold made the kernel spill (H100: 38 spills, 12% slower than
-# recomputing them in the loop; benchmarks/attention_probe.py).
+# warps) the registers they hold made the kernel spill (H100: 38 spills, about 10% slower
+# than recomputing them in the loop; benchmarks/attention_probe.py).
 HOIST_MAX_ACC_REGS = 64
 LOG2E = 1 / math.log(2)
 
@@ -139,11 +138,8 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     if math.prod(batch) > MAX_GRID_Y:
         raise Unschedulable(f"a batch of {math.prod(batch)} attention heads (the grid takes {MAX_GRID_Y})")
     e = dots[0].args[0].shape[-1] if dots else 0
-    sched = Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype,
-                     dots=len(values), band=masked_band(s))
-    keys = [(dots[0].args[1], "fn")] if dots else []
-    return replace(sched, tma=bool(keys) and all(plain_operand(x, sched, axes) is not None
-                                                 for x, axes in keys + [(v, "jd") for v in values]))
+    return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype,
+                    dots=len(values), band=masked_band(s))
 
 
 def attention_env(sched, axes: str, shape) -> Env:
@@ -154,46 +150,6 @@ def attention_env(sched, axes: str, shape) -> Env:
                "e": sched.k, "f": sched.k}
     atoms = [(Idx(f"{x}index", frozenset(x)), extents[x]) for x in "b" + axes]
     return env_of(atoms, tuple(sched.batch) + tuple(shape))
-
-
-# --- tiles through TMA descriptors ----------------------------------------------------------
-
-@dataclass(frozen=True)
-class Plain:
-    """A q, k or v operand read as stored, seen as a row-major matrix [heads * rows, cols]
-    (its head dim contiguous, the heads' rows one after another), as a TMA descriptor
-    describes it."""
-    buf: str
-    offset: int  # elements from the buffer's start
-    heads: int
-    rows: int
-    cols: int
-    stride: int  # between rows, in elements
-
-
-def plain_operand(node: PNode, sched, axes: str) -> Plain | None:
-    """How the tile of ``node`` over ``axes`` (a key or query axis and a head-dim axis,
-    in either order) lies in memory, if a descriptor can fetch it; None where it is
-    computed, broadcast across heads, not contiguous along the head dim, or where TMA's
-    16-byte alignment of the row stride and the offset does not hold."""
-    base, benv = node, attention_env(sched, axes, node.shape[-2:])
-    while base.op in ("broadcast", "reshape", "permute"):
-        base, benv = base.args[0], KernelWriter.operand_env(base, benv)
-    if base.op != "load" or base.dtype not in ("float16", "bfloat16", "float32"):
-        return None
-    buf, strides, offset = base.attrs
-    row, col = (f"{a}index" for a in sorted(axes, key=lambda a: a in "def"))
-    affine = tma.atom_strides(benv, strides, base.shape)
-    if affine is None or not {row, col} <= set(affine) or not set(affine) <= {row, col, "bindex"}:
-        return None
-    (stride, rows), (unit, cols) = affine[row], affine[col]
-    heads = affine["bindex"][1] if "bindex" in affine else 1
-    if unit != 1 or ("bindex" in affine and affine["bindex"][0] != stride * rows):
-        return None
-    item = ops.itemsize(base.dtype)
-    if (stride * item) % tma.ALIGN or (offset * item) % tma.ALIGN or stride < cols:
-        return None
-    return Plain(buf, offset, heads, rows, cols, stride)
 
 
 # --- which columns a row can see ------------------------------------------------------------
@@ -437,9 +393,7 @@ def _static(node: PNode):
 # --- configurations ---------------------------------------------------------------------------
 
 def candidates(sched) -> list[dict]:
-    """Tile configurations in the model's order, clamped to the sizes; on a GPU that has
-    TMA, where K and V can be read through descriptors, the first TMA_TILES of them
-    again with ``TMA``: the two forms are alternatives the autotuner times."""
+    """Tile configurations in the model's order, clamped to the sizes."""
     out = []
     for bm, bn, warps, stages in TILES:
         cfg = {"BLOCK_M": max(MIN_BLOCK, min(bm, next_pow2(sched.m))),
@@ -447,18 +401,11 @@ def candidates(sched) -> list[dict]:
                "num_warps": warps, "num_stages": stages}
         if cfg not in out:
             out.append(cfg)
-    if sched.tma and tma.device_supports():
-        out += [{**cfg, "TMA": 1} for cfg in out[:TMA_TILES]]
     return out
 
 
 def runnable(cfg: dict) -> bool:
-    """Whether a configuration (from a cache, or a user) is one an attention kernel can run
-    with (``TMA`` 1 where the kernel has no describable operand runs the pointer form)."""
-    if "TMA" in cfg:
-        if cfg["TMA"] != 1:
-            return False
-        cfg = {k: v for k, v in cfg.items() if k != "TMA"}
+    """Whether a configuration (from a cache, or a user) is one an attention kernel can run with."""
     return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N"))
 
 
@@ -486,7 +433,6 @@ class AttentionWriter(KernelWriter):
         self.results: dict = {}  # node id -> Val after the loop
         self.offsets: dict = {}  # (buffer, offset tile at the loop's first key) -> its name
         self.cfg: dict = {}
-        self.descs: dict = {}  # (Plain, row block, column block) -> descriptor name
 
     def env(self, axes: str, shape) -> Env:
         return attention_env(self.s, axes, shape)
@@ -662,49 +608,15 @@ class AttentionWriter(KernelWriter):
 
     def dot_operand(self, node, env, axes, block) -> str:
         """As the base writer's, with a tile that does not move with the keys (the query
-        tile) kept for the kernel, not the loop: both key loops use the one load. In the
-        TMA form, a tile a descriptor can fetch is fetched by one."""
+        tile) kept for the kernel, not the loop: both key loops use the one load."""
         key = ("operand", id(node), env_key(env))
         if key in self.memo_outer:
             return self.memo_outer[key].expr
-        text = self.descriptor_load(node, axes) if self.cfg.get("TMA") else None
-        if text is not None:
-            val = self.assign(text, frozenset(axes), "a" if "m" in axes else "b")
-            (self.memo_loop if self.in_loop(val.axes) else self.memo_outer)[key] = val
-            return val.expr
         expr = super().dot_operand(node, env, axes, block)
         val = self.memo_loop[key]
         if not self.in_loop(val.axes):
             self.memo_outer[key] = val
         return expr
-
-    def descriptor_load(self, node, axes) -> str | None:
-        """The tile of a q, k or v operand over ``axes`` fetched through a descriptor of
-        its buffer as a [heads * rows, cols] matrix (``Plain``), transposed for k^T;
-        None where no descriptor describes it, where a tile would reach into the next
-        head's rows (rows not a multiple of the block), or for tensors of 2^31 elements
-        and more (descriptor coordinates are 32-bit). Past the matrix's edges TMA reads
-        zeros: ragged keys and head dims need no mask."""
-        plain = plain_operand(node, self.s, "".join(axes))
-        if plain is None or self.index_dtype_cast:
-            return None
-        key_axis = next(a for a in axes if a in "mnj")
-        rblock = "BLOCK_M" if key_axis == "m" else "BLOCK_N"
-        cblock = "BLOCK_D" if "d" in axes else "BLOCK_E"
-        if plain.heads > 1 and plain.rows % {**self.cfg, **self.s.sizes}[rblock]:
-            return None
-        desc = (plain, rblock, cblock)
-        if desc not in self.descs:
-            name = self.descs[desc] = f"desc_{plain.buf}_{len(self.descs)}"
-            base = f"{plain.buf} + {plain.offset}" if plain.offset else plain.buf
-            self.lines.append(f"{name} = tl.make_tensor_descriptor({base}, shape=[{plain.heads * plain.rows}, "
-                              f"{plain.cols}], strides=[{plain.stride}, 1], block_shape=[{rblock}, {cblock}])")
-            self.tma_params.add(plain.buf)
-            if plain.buf not in self.params:
-                self.params.append(plain.buf)
-        start = "pid_m * BLOCK_M" if key_axis == "m" else "n0"
-        row = f"bindex * {plain.rows} + {start}" if plain.heads > 1 else start
-        return f"{self.descs[desc]}.load([{row}, 0])" + (".T" if axes[0] in "def" else "")
 
     def head(self, cfg) -> list[str]:
         s = self.s

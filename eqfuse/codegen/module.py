@@ -52,7 +52,7 @@ def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> Ker
     info = KernelInfo(spec.name, g.text, list(spec.fx_nodes), constexprs, g.sched.grid(g.cfg), launch, g.sched,
                       g.params, spec, g.aligned)
     if g.aligned:  # a TMA kernel: the pointer kernel of the same tiles for unaligned addresses
-        plain = {k: v for k, v in g.cfg.items() if k not in ("PROGRAMS", "TMA")}  # matmul's, attention's
+        plain = {k: v for k, v in g.cfg.items() if k != "PROGRAMS"}
         info.fallback = kernel_info(replace(spec, name=f"{spec.name}_unaligned"), buffers, plain)
         if info.fallback.params != info.params:  # never seen: the two forms walk the kernel alike
             return kernel_info(spec, buffers, plain)
