@@ -86,3 +86,31 @@ def test_reads_in_output_order_stay_flat():
     compiled = eqfuse.compile(lambda t: (t * 2).transpose(0, 1).contiguous(), [x])
     (kernel,) = compiled.kernels
     assert kernel.schedule.inner == 0 and "yindex" not in kernel.source  # rows move, columns stay in order
+
+
+def _bias_and_weight_grads(dy, x, dz):
+    """A linear layer's bias gradient, a norm's weight gradient (both summed over tokens),
+    and one read through a cat of two gradients (a fused qkv projection's bias)."""
+    return dy.sum(0), (dy * x).sum(0), torch.cat([dy, dz], dim=1).sum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(300, 257), (17, 300), (1000, 33)], ids=lambda s: "x".join(map(str, s)))
+def test_sums_over_tokens_tile_across_rows(shape, dtype):
+    torch.manual_seed(0)
+    dy, x, dz = (torch.randn(*shape, dtype=dtype) for _ in range(3))
+    compiled = eqfuse.compile(_bias_and_weight_grads, [dy, x, dz])
+    assert_matches(compiled(dy, x, dz), _bias_and_weight_grads(dy, x, dz))
+    tokens = shape[0]
+    for kernel in compiled.kernels:
+        # a column of >= 256 tokens is read by tiles many features wide; shorter ones stay whole
+        assert kernel.schedule.columns == (tokens >= 256), kernel.schedule
+        if kernel.schedule.columns:
+            assert kernel.constexprs["BLOCK_R"] >= 16 and "for c0 in range" in kernel.source
+
+
+def test_a_row_reduction_read_along_its_rows_stays_whole():
+    x = torch.randn(64, 300)
+    compiled = eqfuse.compile(lambda t: torch.softmax(t, -1), [x])
+    (kernel,) = compiled.kernels
+    assert not kernel.schedule.columns and kernel.schedule.persistent

@@ -32,9 +32,10 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import Unschedulable
+from ..rewrite.cost import device_model
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
-from . import pointwise, tiles, tma
+from . import access, pointwise, tiles, tma
 from .indexing import (
     Env,
     Idx,
@@ -50,6 +51,8 @@ from .indexing import (
 
 PERSISTENT_MAX = 16384  # widest row kept whole in registers
 LOOP_BLOCK = 2048
+COLUMN_MIN = 256  # a reduced axis shorter than this stays whole in registers, whichever way it is read
+COLUMN_TILE = 2048  # elements of a column reduction's tile: BLOCK_R rows x BLOCK_C of the reduced axis
 LAUNCH_OPTIONS = ("num_warps", "num_stages")  # config keys passed at launch, not as constexprs
 MATMUL_FINALISTS = 6  # tile configurations the GPU autotuner times, best modelled first
 MATMUL_FINALISTS_TMA = 8  # the same where each tile shape comes in two forms
@@ -68,6 +71,7 @@ class Schedule:
     cols: int = 0
     reduce_shape: tuple = ()
     persistent: bool = True
+    columns: bool = False  # reduction: reads run along the rows (a bias gradient summed over tokens)
     batch: tuple = ()  # matmul: [*batch, M, N] = [*batch, M, K] x [*batch, K, N]
     m: int = 0
     n: int = 0
@@ -98,6 +102,8 @@ class Schedule:
             return f"pointwise over {self.numel} elements{tiled}"
         if self.kind == "reduction":
             how = "whole row in registers" if self.persistent else "looped"
+            if self.columns:
+                how += ", tiles across rows (reads run along them)"
             return f"{self.rows} rows x {self.cols} reduced ({how})"
         batch = f"{math.prod(self.batch)} x " if self.batch else ""
         if self.kind == "attention":
@@ -237,8 +243,27 @@ def schedule_of(spec: KernelSpec) -> Schedule:
     for root, _ in spec.roots:
         if root.numel not in (rows * cols, rows):
             raise Unschedulable(f"root of {root.numel} elements in a {rows}x{cols} reduction")
-    return Schedule("reduction", rows=rows, cols=cols, reduce_shape=shape,
-                    persistent=next_pow2(cols) <= PERSISTENT_MAX)
+    columns = cols >= COLUMN_MIN and _reads_run_along_rows(reduces, rows, cols, shape)
+    return Schedule("reduction", rows=rows, cols=cols, reduce_shape=shape, columns=columns,
+                    persistent=next_pow2(cols) <= PERSISTENT_MAX and not columns)
+
+
+def _reads_run_along_rows(reduces, rows: int, cols: int, shape) -> bool:
+    """Whether most of what the reductions read has its unit stride along the rows, not
+    along the reduced axis: ``dy.sum(0)`` of a [tokens, features] gradient reduces rows
+    of a transposed view. A row per program would then read one element per cache sector;
+    tiles many rows wide read whole sectors."""
+    r, c = Idx("rindex", frozenset("r")), Idx("cindex", frozenset("c"))
+    full = env_of([(r, rows), (c, cols)], shape)
+    point = {"rindex": max(0, rows // 2 - 1), "cindex": max(0, cols // 2 - 1)}
+    along_rows = along_cols = 0
+    for red in reduces:
+        for load, env in access.loads_at(red.args[0], full):
+            if abs(access.address_step(load, env, "cindex", point)) == 1:
+                along_cols += load.numel
+            elif abs(access.address_step(load, env, "rindex", point)) == 1:
+                along_rows += load.numel
+    return along_rows > along_cols
 
 
 @dataclass
@@ -797,6 +822,8 @@ def default_config(sched: Schedule) -> dict:
     if sched.kind == "pointwise":
         xblock = min(1024, max(16, next_pow2(sched.numel)))
         return {"XBLOCK": xblock, "num_warps": max(1, min(4, xblock // 256))}
+    if sched.columns:
+        return column_config(sched.rows)
     if sched.persistent:
         block_c = max(1, next_pow2(sched.cols))
         block_r = max(1, min(next_pow2(sched.rows), 2048 // block_c))
@@ -804,6 +831,16 @@ def default_config(sched: Schedule) -> dict:
         block_c, block_r = LOOP_BLOCK, 1
     warps = max(1, min(16, block_r * block_c // 512))
     return {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
+
+
+def column_config(rows: int, block_r: int | None = None, warps: int = 4) -> dict:
+    """A column reduction's tile: rows wide enough for whole 32-byte sectors (16 of 2-byte
+    elements at least) and, of 64, 32 and 16, the widest that still gives every SM a program."""
+    if block_r is None:
+        sms = device_model().sms
+        block_r = next((b for b in (64, 32) if rows // b >= sms), 16)
+    block_r = min(block_r, max(1, next_pow2(rows)))
+    return {"BLOCK_R": block_r, "BLOCK_C": COLUMN_TILE // block_r, "num_warps": warps}
 
 
 def fits(sched: Schedule, cfg: dict) -> bool:
@@ -836,7 +873,9 @@ def tuning_candidates(sched: Schedule) -> list[dict]:
         return pointwise.tuning_candidates(sched.numel, sched.inner)
     base = default_config(sched)
     cands = [base]
-    if sched.kind == "pointwise":
+    if sched.kind == "reduction" and sched.columns:
+        cands += [column_config(sched.rows, b, w) for b in (16, 32, 64) for w in (4, 8)]
+    elif sched.kind == "pointwise":
         for xb, w in ((1024, 4), (2048, 8), (4096, 8), (512, 4)):
             if xb <= max(16, next_pow2(sched.numel)):
                 cands.append({"XBLOCK": xb, "num_warps": w})

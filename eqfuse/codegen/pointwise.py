@@ -19,51 +19,14 @@ from __future__ import annotations
 from collections import Counter
 
 from ..schema.plan import KernelSpec, PNode
-from .indexing import Digit, Env, Idx, env_key, env_of, regroup, shifted_env
+from .access import loads_at, unit_stride_digit
+from .indexing import Digit, Env, Idx, env_of, regroup
 
 MIN_SIDE = 16  # a tile side below this is not worth a 2-D iteration
-INDEX_MAPS = ("broadcast", "reshape", "permute", "slice")
 
 FLAT = Idx("xindex", frozenset("x"))
 ROWS = Idx("yindex", frozenset("y"))
 COLS = Idx("xindex", frozenset("x"))
-
-
-def _loads(node: PNode, env: Env, out: list, seen: set):
-    """(load, the environment it is evaluated at) for every load under ``node``."""
-    from .kernel import KernelWriter
-    key = (id(node), env_key(env))
-    if key in seen:
-        return
-    seen.add(key)
-    if node.op == "load":
-        out.append((node, env))
-    elif node.op in INDEX_MAPS:
-        _loads(node.args[0], KernelWriter.operand_env(node, env), out, seen)
-    elif node.op == "cat":
-        (dim,) = node.attrs
-        a, b = node.args
-        n0 = a.shape[dim]
-        anywhere = Idx("True")  # which branch a point takes does not matter here
-        _loads(a, shifted_env(env, dim, 0, a.shape, anywhere), out, seen)
-        _loads(b, shifted_env(env, dim, n0, b.shape, anywhere), out, seen)
-    else:
-        for a in node.args:
-            if a.shape:  # a rank-0 operand is the same at every point
-                _loads(a, env, out, seen)
-
-
-def _unit_digit_start(load: PNode, env: Env) -> int | None:
-    """Where, in the flat output index, the digit that moves along the load's unit-stride
-    dimension starts (1: the load is read in output order); None where it is unknown."""
-    _, strides, _ = load.attrs
-    if env.groups is None:
-        return None
-    for stride, size, group in zip(strides, load.shape, env.groups):
-        if stride == 1 and size > 1 and group:
-            lowest = group[-1]
-            return lowest.lo if lowest.atom == FLAT else None
-    return None
 
 
 def inner_extent(spec: KernelSpec) -> int:
@@ -72,12 +35,10 @@ def inner_extent(spec: KernelSpec) -> int:
     starts: Counter = Counter()
     numel = spec.roots[0][0].numel
     for root, _ in spec.roots:
-        found: list = []
-        _loads(root, env_of([(FLAT, root.numel)], root.shape, FLAT), found, set())
-        for load, env in found:
-            start = _unit_digit_start(load, env)
-            if start is not None and start > 1:
-                starts[start] += load.numel
+        for load, env in loads_at(root, env_of([(FLAT, root.numel)], root.shape, FLAT)):
+            digit = unit_stride_digit(load, env)
+            if digit is not None and digit.atom == FLAT and digit.lo > 1:
+                starts[digit.lo] += load.numel
     if not starts:
         return 0
     inner = starts.most_common(1)[0][0]

@@ -1,0 +1,69 @@
+"""Which way a kernel's reads run: the load nodes under a value with the environments they
+are evaluated at, and, for a load, the kernel index digit that moves along its unit-stride
+dimension. The schedules use it to lay out tiles so that neighbouring lanes read
+neighbouring addresses (codegen/pointwise.py; column reductions in codegen/kernel.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..schema.plan import PNode
+from .indexing import Digit, Env, Idx, env_key, shifted_env, strided_offset
+
+INDEX_MAPS = ("broadcast", "reshape", "permute", "slice")
+
+
+def loads_at(node: PNode, env: Env) -> list:
+    """(load, the environment it is evaluated at) for every load under ``node`` evaluated at
+    ``env``, not looking inside reductions (they are evaluated over their own shape)."""
+    out: list = []
+    _walk(node, env, out, set())
+    return out
+
+
+def _walk(node: PNode, env: Env, out: list, seen: set):
+    from .kernel import KernelWriter
+    key = (id(node), env_key(env))
+    if key in seen:
+        return
+    seen.add(key)
+    if node.op == "load":
+        out.append((node, env))
+    elif node.op in INDEX_MAPS:
+        _walk(node.args[0], KernelWriter.operand_env(node, env), out, seen)
+    elif node.op == "cat":
+        (dim,) = node.attrs
+        a, b = node.args
+        # Which branch a point takes does not matter here, and a shifted index still moves
+        # with the same kernel digits: the branches keep the cat's digit structure.
+        anywhere = Idx("True")
+        for part, shift in ((a, 0), (b, a.shape[dim])):
+            _walk(part, replace(shifted_env(env, dim, shift, part.shape, anywhere), groups=env.groups), out, seen)
+    elif node.op != "reduce":
+        for a in node.args:
+            if tuple(a.shape) == tuple(env.shape):  # a rank-0 operand is the same everywhere
+                _walk(a, env, out, seen)
+
+
+def unit_stride_digit(load: PNode, env: Env) -> Digit | None:
+    """The lowest digit of the kernel index along the load's unit-stride dimension: the
+    index whose neighbouring values read neighbouring addresses. None where unknown (no
+    digit structure, or no unit-stride dimension)."""
+    _, strides, _ = load.attrs
+    if env.groups is None:
+        return None
+    for stride, size, group in zip(strides, load.shape, env.groups):
+        if stride == 1 and size > 1 and group:
+            return group[-1]
+    return None
+
+
+def address_step(load: PNode, env: Env, index: str, point: dict) -> int:
+    """Elements the load's address moves when kernel index ``index`` steps by one from
+    ``point`` (index name -> value): computed on the offset expression itself, so it holds
+    where the digit structure is lost (after a cat, a reshape of a shifted index)."""
+    _, strides, offset = load.attrs
+    expr = strided_offset(env, strides, load.shape, offset).expr
+    here = eval(expr, {"__builtins__": {}}, dict(point))  # noqa: S307 - our own index arithmetic
+    there = eval(expr, {"__builtins__": {}}, {**point, index: point[index] + 1})  # noqa: S307
+    return there - here
