@@ -9,6 +9,10 @@
    of eager fallbacks must be materialised. Start from the most fused plan, repair
    kernels the code generator cannot schedule (legality is re-checked on the whole
    kernel, not trusted from a rule's guard), then improve greedily under the cost model.
+   A thousand trial plans and more are weighed per graph: each reuses the kernels of the
+   plan one move before that the move cannot change, and kernel sources are written only
+   for the trials whose validity decides a step (tests/test_extract.py checks that these
+   shortcuts choose what the plain search chooses).
 4. Multi-output kernels: a materialised value may be stored by a kernel that computes it
    inline anyway (the residual in residual+LayerNorm), dropping its own kernel, when that
    is legal, keeps the plan acyclic and is cheaper.
