@@ -117,6 +117,29 @@ def test_without_the_pool_kernels_compile_at_their_first_launch(fresh_caches, ji
     assert "compile" not in compiled.report
 
 
+def test_pool_keys_as_the_jit_after_the_ptxas_path_changed(fresh_caches, jit_compiles, monkeypatch, tmp_path):
+    """Inductor sets TRITON_PTXAS_PATH to torch's ptxas after this process's Triton has
+    read the version of its own: workers started afterwards must still key kernels by that
+    version (models benchmark, torch.compile then eqfuse: every kernel compiled twice)."""
+    from test_parallel_compile import _standin_ptxas
+    from triton.backends.nvidia import compiler as nvidia
+
+    from eqfuse.runtime import parallel_compile as pc
+    nvidia.get_ptxas_version(pc.current_target()[1])  # read, as the JIT did
+    standin, _ = _standin_ptxas(tmp_path)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", standin)
+    pc.shutdown()  # workers start with the new path
+    try:
+        inputs = _mlp_inputs(103)
+        compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=False, cuda_graphs=False)
+        assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
+        cand = compiled.report["compile"]["candidates"]
+        assert cand["compiled_in_pool"] == cand["kernels"] >= 2 and "failed" not in cand, cand
+        assert jit_compiles == []
+    finally:
+        pc.shutdown()
+
+
 def test_a_pool_that_fails_leaves_kernels_to_the_first_launch(fresh_caches, jit_compiles, monkeypatch):
     import sys
 

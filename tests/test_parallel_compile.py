@@ -94,7 +94,7 @@ def test_module_launches_take_the_alignment_of_the_inputs():
 
 
 CHILD = r"""
-import json, sys, importlib.util, torch
+import json, os, sys, importlib.util, torch
 from triton import knobs
 from eqfuse.runtime import parallel_compile as pc
 
@@ -122,8 +122,33 @@ for args in (aligned, shifted):
     job = pc.specialisation(launcher, args, TARGET)
     triton.compile(ASTSource(launcher.fn, job.signature, job.constexprs, job.attrs),
                    target=GPUTarget(*TARGET), options=job.options)
-out["jit_cache_hits"] = hits
+out["jit_cache_hits"] = list(hits)
 out["attrs"] = [str(pc.specialisation(launcher, a, TARGET).attrs) for a in (aligned, shifted)]
+
+# Inductor sets TRITON_PTXAS_PATH to torch's ptxas at its first compile, after this
+# process's Triton has keyed kernels by the version of its own (read once, cached): here a
+# stand-in of another version. Workers already running and workers started after it (the
+# models benchmark runs torch.compile, then eqfuse) must key as this process does, and run
+# the ptxas it names now.
+from triton.backends.nvidia import compiler as nvidia
+out["version_cached_before"] = nvidia.get_ptxas_version.cache_info().currsize > 0
+os.environ["TRITON_PTXAS_PATH"] = sys.argv[3]
+knobs.cache.dir = sys.argv[5]
+out["ptxas_set_while_running"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
+out["standin_runs_while_running"] = len(open(sys.argv[4]).read().splitlines())
+pc.shutdown()
+knobs.cache.dir = sys.argv[6]
+out["ptxas_set_before_start"] = pc.precompile([(launcher, shifted)], TARGET).as_dict()
+hits.clear()
+job = pc.specialisation(launcher, shifted, TARGET)  # the JIT, keying by the version it read first
+triton.compile(ASTSource(launcher.fn, job.signature, job.constexprs, job.attrs),
+               target=GPUTarget(*TARGET), options=job.options)
+out["jit_cache_hits_after_ptxas_changed"] = hits
+
+# A worker that keys otherwise all the same: the report names the part of the key.
+knobs.cache.dir = sys.argv[7]
+pc._ptxas = lambda target: ("Cuda compilation tools, release 0.0, V0.0.0", nvidia.get_ptxas(90).path)
+out["other_key"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
 
 # A pool whose workers cannot start: a note, no exception, nothing compiled.
 pc.shutdown()
@@ -135,6 +160,21 @@ out["still_broken"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
 pc.shutdown()
 print(json.dumps(out))
 """
+
+
+def _standin_ptxas(tmp):
+    """A ptxas that runs Triton's, says it is another version (as torch's ptxas does), and
+    logs the compiles it runs."""
+    from triton import knobs
+    real, log, path = knobs.nvidia.ptxas.path, tmp / "standin.log", tmp / "ptxas"
+    log.write_text("")
+    path.write_text(f"""#!/bin/sh
+if [ "$1" = "--version" ]; then "{real}" --version | sed 's/V[0-9.]*/&-standin/'; exit; fi
+echo "$@" >> "{log}"
+exec "{real}" "$@"
+""")
+    path.chmod(0o755)
+    return str(path), str(log)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +190,9 @@ def child_run(tmp_path_factory):
     env.pop(pc.ENV_SWITCH, None)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), str(tmp / "triton-empty")],
+    standin, log = _standin_ptxas(tmp)
+    caches = [str(tmp / name) for name in ("triton-empty", "triton-2", "triton-3", "triton-4")]
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), caches[0], standin, log, *caches[1:]],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -175,6 +217,31 @@ def test_alignment_is_part_of_the_specialisation(child_run):
 
 def test_the_jits_compile_hits_what_the_pool_compiled(child_run):
     assert child_run["jit_cache_hits"] == [True, True]
+
+
+def test_workers_key_by_the_ptxas_version_the_jit_read_first(child_run):
+    """TRITON_PTXAS_PATH changed after this process's Triton read the version of its ptxas
+    (Inductor does it): before the fix, every kernel a worker compiled was 'compiled under
+    another key than the JIT's'."""
+    assert child_run["version_cached_before"]
+    for case in ("ptxas_set_while_running", "ptxas_set_before_start"):
+        out = child_run[case]
+        assert (out["kernels"], out["compiled_in_pool"]) == (1, 1) and "failed" not in out, (case, out)
+    assert child_run["jit_cache_hits_after_ptxas_changed"] == [True]
+
+
+def test_workers_run_the_ptxas_the_jit_would_run(child_run):
+    # the workers were started before TRITON_PTXAS_PATH named the stand-in
+    assert child_run["standin_runs_while_running"] >= 1
+
+
+def test_a_key_that_differs_is_explained(child_run):
+    out = child_run["other_key"]
+    assert out["compiled_in_pool"] == 0, out
+    (failure,) = out["failed"]
+    assert "compiled under another key than the JIT's (backend 'ptxas release 0.0, V0.0.0, 90' in the worker" in failure
+    for part in ("source", "options", "environment", "triton"):
+        assert f"{part} '" not in failure, failure  # only the part that differs
 
 
 def test_a_pool_that_cannot_start_leaves_kernels_to_the_first_launch(child_run):

@@ -3,10 +3,11 @@
 Reads pickled jobs (dicts of ``parallel_compile.Job``'s fields) from stdin until it
 closes; for each, loads the generated module the job names (once), compiles the kernel
 with ``triton.compile`` as Triton's JIT would (same source and line, specialisation,
-options, target and cache-invalidating environment), which files it in Triton's cache,
+options, target, cache-invalidating environment and ptxas), which files it in Triton's cache,
 builds its C launcher (also cached) and writes a pickled reply to stdout: ``{"hash":
-..., "seconds": ...}``, or ``{"error": "..."}`` for a kernel Triton refuses. It uses no
-GPU.
+..., "seconds": ...}`` (with ``key_parts`` where the hash is not the one the job expects,
+so that the process that sent it can say which part of the key differs), or ``{"error":
+"..."}`` for a kernel Triton refuses. It uses no GPU.
 
 It imports neither torch nor eqfuse: with them a worker took 2.5 s and 220 MB more to
 start (16 of them slowed the graph's extraction by 3 s on an H100 host), and Triton needs
@@ -18,8 +19,10 @@ line), and ``inspect`` reads the kernels' source from the file itself.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
+import re
 import sys
 import time
 import types
@@ -62,13 +65,47 @@ def _build_launcher(kernel) -> str:
     return ""
 
 
+def key_parts(src, backend, options, env_vars: dict) -> dict:
+    """The parts of the key ``triton.compile`` files a kernel under (``get_cache_key``, as of
+    Triton 3.6), each shortened: Triton's own files, the kernel's source and specialisation,
+    the backend (for CUDA, the version of the ptxas it runs and the arch), the options,
+    the cache-invalidating environment. Also imported by parallel_compile, so that both
+    processes describe their keys alike."""
+    from triton.runtime.cache import triton_key
+
+    backend_key = backend.hash()
+    version, _, arch = backend_key.rpartition("-")  # CUDA: ptxas --version's output, the arch
+    release = re.search(r"release [^\n]*", version)
+    parts = {"triton": triton_key(), "source": src.hash(), "options": options.hash(),
+             "environment": str(sorted(env_vars.items()))}
+    short = {k: hashlib.sha256(v.encode("utf-8")).hexdigest()[:12] for k, v in parts.items()}
+    short["backend"] = f"ptxas {release.group(0)}, {arch}" if release else backend_key[-80:]
+    return short
+
+
+def _ptxas_of_the_jit(job: dict) -> None:
+    """Keys the kernel by the ptxas version the sending process's JIT keys by, and runs the
+    ptxas it would run (parallel_compile._ptxas says why they can differ, and differ from
+    what this worker's environment names). Triton 3.6's CUDA backend reads the version for
+    its key through ``get_ptxas_version`` and the binary through its knob at each compile."""
+    version, path = job.get("ptxas_version"), job.get("ptxas_path")
+    if not version:
+        return
+    from triton import knobs
+    from triton.backends.nvidia import compiler as nvidia
+
+    nvidia.get_ptxas_version = lambda arch=80: version
+    setattr(knobs.nvidia, "ptxas_blackwell" if job["target"][1] >= 100 else "ptxas", path)
+
+
 def compile_job(job: dict, modules: dict) -> dict:
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
 
     knobs.cache.dir = job["cache_dir"]
+    _ptxas_of_the_jit(job)
     fn = getattr(load_kernels(job["path"], modules), job["name"])
     src = ASTSource(fn, job["signature"], job["constexprs"], job["attrs"])
     t0 = time.perf_counter()
@@ -76,6 +113,10 @@ def compile_job(job: dict, modules: dict) -> dict:
                             _env_vars=job["env_vars"])
     launcher = _build_launcher(kernel)
     reply = {"hash": kernel.hash, "seconds": time.perf_counter() - t0}
+    if kernel.hash != job.get("hash"):  # the JIT will not find it: say what made it differ
+        backend = make_backend(GPUTarget(*job["target"]))
+        options = backend.parse_options(dict(job["options"], **src.parse_options()))
+        reply["key_parts"] = key_parts(src, backend, options, job["env_vars"])
     if launcher:
         reply["launcher"] = launcher
     return reply

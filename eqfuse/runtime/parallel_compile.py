@@ -14,7 +14,9 @@ the launch's arguments: the dtype of every pointer, whether its address is 16-by
 aligned (real tensors, or ``Pointer`` for a launch whose tensors do not exist yet), the
 constexprs and num_warps/num_stages. The worker loads the same generated file (Triton
 hashes the kernel's source and its line number) and gets this process's cache-
-invalidating environment, so both hash the same key.
+invalidating environment and ptxas (the version in the key and the binary run, see
+``_ptxas``), so both hash the same key. A worker whose key differs all the same sends its
+parts, and the report names those that differ.
 
 The pool starts once per process, when the first CUDA graph is built (its workers import
 Triton, not torch, while the graph is captured), with one worker per CPU (at most 32;
@@ -95,6 +97,8 @@ class Job:
     env_vars: dict  # Triton's cache-invalidating environment, as this process sees it
     cache_dir: str
     hash: str = ""  # the cache key triton.compile will file it under
+    ptxas_version: str = ""  # CUDA: the ptxas version this process's JIT keys kernels by (see _ptxas)
+    ptxas_path: str = ""  # and the ptxas it would run
 
 
 @dataclass
@@ -161,14 +165,48 @@ def specialisation(launcher, args, target: tuple, backend=None) -> Job:
     return job
 
 
-def _cache_hash(fn, job: Job, backend) -> str:
-    """The key triton.compile files the kernel under (its first lines, as of Triton 3.6)."""
+def _key_inputs(fn, job: Job, backend):
+    """The source and options triton.compile builds its key from (its first lines, as of
+    Triton 3.6)."""
     from triton.compiler import ASTSource
-    from triton.runtime.cache import get_cache_key
 
     src = ASTSource(fn, job.signature, job.constexprs, job.attrs)
-    options = backend.parse_options(dict(job.options, **src.parse_options()))
+    return src, backend.parse_options(dict(job.options, **src.parse_options()))
+
+
+def _cache_hash(fn, job: Job, backend) -> str:
+    """The key triton.compile files the kernel under."""
+    from triton.runtime.cache import get_cache_key
+
+    src, options = _key_inputs(fn, job, backend)
     return hashlib.sha256(get_cache_key(src, backend, options, env_vars=job.env_vars).encode("utf-8")).hexdigest()
+
+
+def _key_difference(job: Job, fn, backend, theirs: dict) -> str:
+    """Which parts of the cache key a worker computed otherwise than this process, with
+    both values: why the JIT would not find what it compiled."""
+    from .compile_worker import key_parts
+
+    src, options = _key_inputs(fn, job, backend)
+    ours = key_parts(src, backend, options, job.env_vars)
+    diff = [f"{k} {theirs.get(k)!r} in the worker, {v!r} here" for k, v in ours.items() if theirs.get(k) != v]
+    return "; ".join(diff) or "no part differs"
+
+
+def _ptxas(target: tuple) -> tuple[str, str]:
+    """For a CUDA target, the ptxas this process's JIT would key a kernel by and the one it
+    would run, which need not be the same binary: Triton's CUDA backend puts in the key the
+    ``ptxas --version`` it read first in the process (``get_ptxas_version`` is cached) but
+    runs the ptxas ``TRITON_PTXAS_PATH`` names at each compile. Inductor sets that variable
+    to torch's own ptxas at its first compile, after Triton has read its bundled one: in
+    the models benchmark on an H100 (torch.compile, then eqfuse, in one process) the key
+    said ptxas 12.8 and 13.0 ran. Workers started after that read 13.0 for both, and not
+    one kernel they compiled was found by the JIT. A worker takes both from the job."""
+    if target[0] != "cuda":
+        return "", ""
+    from triton.backends.nvidia import compiler as nvidia
+
+    return nvidia.get_ptxas_version(target[1]), nvidia.get_ptxas(target[1]).path
 
 
 def is_cached(job: Job) -> bool:
@@ -347,24 +385,35 @@ def precompile(launches, target: tuple | None = None) -> Outcome:
     try:
         target = target or current_target()
         backend = _backend(target)
-        jobs = {}
+        jobs, fns = {}, {}
         for launcher, args in launches:
             job = specialisation(launcher, args, target, backend)
             jobs.setdefault(job.hash, job)
+            fns.setdefault(job.hash, launcher.resolve(args).fn)
     except Exception as e:  # noqa: BLE001 - a Triton that binds arguments otherwise: compile serially
         out.note = f"kernels compile at first launch: could not read their specialisation ({_one_line(e)})"
         out.seconds = time.perf_counter() - start
         return out
     out.kernels = len(jobs)
     todo = [j for j in jobs.values() if not is_cached(j)]
+    if todo:
+        try:
+            ptxas = _ptxas(target)
+        except Exception as e:  # noqa: BLE001 - no ptxas to be found: the JIT would fail alike
+            out.note = f"kernels compile at first launch: could not find ptxas ({_one_line(e)})"
+            out.seconds = time.perf_counter() - start
+            return out
+        for job in todo:
+            job.ptxas_version, job.ptxas_path = ptxas
     out.cached = out.kernels - len(todo)
     if len(todo) >= 1:
-        _compile_in_pool(todo, out)
+        _compile_in_pool(todo, out, lambda job, reply: _key_difference(job, fns[job.hash], backend, reply))
     out.seconds = time.perf_counter() - start
     return out
 
 
-def _compile_in_pool(todo: list[Job], out: Outcome) -> None:
+def _compile_in_pool(todo: list[Job], out: Outcome, explain) -> None:
+    """``explain(job, reply)``: which parts of the key differ, for a reply under another key."""
     size = worker_count()
     if size < 2:
         out.note = f"kernels compile at first launch: {size} compile worker(s) (one CPU or {ENV_WORKERS})"
@@ -375,8 +424,9 @@ def _compile_in_pool(todo: list[Job], out: Outcome) -> None:
         if "error" in reply:
             if reply["error"] != p.broken:  # a kernel Triton refused (the JIT will say why again)
                 out.failed.append(f"{job.name}: {reply['error']}")
-        elif reply.get("hash") != job.hash:  # never seen: it would compile again at first launch
-            out.failed.append(f"{job.name}: compiled under another key than the JIT's")
+        elif reply.get("hash") != job.hash:  # it would compile again at first launch
+            out.failed.append(f"{job.name}: compiled under another key than the JIT's "
+                              f"({_explained(explain, job, reply)})")
         else:
             out.compiled += 1
             out.worker_seconds += reply["seconds"]
@@ -384,6 +434,13 @@ def _compile_in_pool(todo: list[Job], out: Outcome) -> None:
                 out.slowest = (job.name, reply["seconds"])
     if p.broken:
         out.note = f"compile pool failed, kernels compile serially at first launch: {p.broken}"
+
+
+def _explained(explain, job: Job, reply: dict) -> str:
+    try:
+        return explain(job, reply.get("key_parts", {}))
+    except Exception as e:  # noqa: BLE001 - only a diagnosis: the failure is reported anyway
+        return f"could not compare the keys: {_one_line(e)}"
 
 
 def _one_line(e: Exception) -> str:
