@@ -114,3 +114,27 @@ def test_a_row_reduction_read_along_its_rows_stays_whole():
     compiled = eqfuse.compile(lambda t: torch.softmax(t, -1), [x])
     (kernel,) = compiled.kernels
     assert not kernel.schedule.columns and kernel.schedule.persistent
+
+
+def test_a_cat_branch_keeps_the_digit_structure_of_its_index():
+    """Below a cat, the shifted index is a digit of its own: a reshape under the branch
+    splits it exactly instead of unravelling the linear index (whose divisions hide
+    contiguity from Triton)."""
+    from eqfuse.codegen.indexing import Idx, env_of, reshape_env, shifted_env
+    r, c = Idx("rindex", frozenset("r")), Idx("cindex", frozenset("c"))
+    env = env_of([(r, 4), (c, 10)], (4, 10))
+    branch = shifted_env(env, 1, 4, (4, 6), Idx("(cindex >= 4)", frozenset("c")))
+    assert branch.groups is not None
+    split = reshape_env(branch, (4, 2, 3))
+    assert [d.expr for d in split.dims] == ["rindex", "((cindex - 4) // 3)", "((cindex - 4) % 3)"]
+
+
+def test_qkv_gradients_through_a_cat_match_eager():
+    def fused_qkv_grad(dq, dk, dv):
+        b, h, s, d = dq.shape
+        return torch.cat([t.transpose(1, 2).reshape(b, s, h * d) for t in (dq, dk, dv)], -1).sum((0, 1))
+
+    torch.manual_seed(0)
+    grads = [torch.randn(2, 3, 100, 8) for _ in range(3)]
+    compiled = eqfuse.compile(fused_qkv_grad, grads)
+    assert_matches(compiled(*grads), fused_qkv_grad(*grads))

@@ -223,12 +223,23 @@ def slice_env(env: Env, dim, start, step, src_shape) -> Env:
 
 
 def shifted_env(env: Env, dim, shift, src_shape, cond: Idx) -> Env:
-    """Operand environment of one branch of a cat: index shifted, guarded by ``cond``."""
+    """Operand environment of one branch of a cat: index shifted, guarded by ``cond``.
+
+    Where the cat's dim is one digit of a kernel index, the shifted index becomes a digit
+    of its own (an atom running over the branch), so index maps below the branch still
+    compose exactly: ``(k - 768) % 64`` rather than the unravelled linear index, whose
+    divisions hide from Triton that neighbouring lanes read neighbouring addresses."""
     d = env.dims[dim]
     dims = list(env.dims)
     dims[dim] = Idx(f"({d.expr} - {shift})", d.axes) if shift else d
     guard = cond if env.guard is None else Idx(f"({env.guard.expr} & {cond.expr})", env.guard.axes | cond.axes)
-    return Env(tuple(src_shape), tuple(dims), None, None, guard)
+    groups = None
+    if env.groups is not None and len(env.groups[dim]) == 1:
+        size = int(src_shape[dim])
+        groups = list(env.groups)
+        groups[dim] = (Digit(dims[dim], size, 1, size),)
+        groups = tuple(groups)
+    return Env(tuple(src_shape), tuple(dims), None, groups, guard)
 
 
 def env_key(env: Env):
