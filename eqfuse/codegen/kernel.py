@@ -682,16 +682,15 @@ class KernelWriter:
         pid = f"tl.program_id(0){self.index_dtype_cast}"
         if s.kind == "attention":
             head = self.write_body(cfg)
-        elif s.kind == "pointwise" and s.inner:
-            head += pointwise.head(s.numel, s.inner, cfg, self.uneven, self.index_dtype_cast)
-            for root, buf in self.spec.roots:
-                self.store(root, buf, self.root_env(root))
         elif s.kind == "pointwise":
-            if s.numel % cfg["XBLOCK"]:
-                self.uneven["x"] = "xmask"
-            head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
-            if "x" in self.uneven:
-                head.append("xmask = xindex < xnumel")
+            if s.inner:
+                head += pointwise.head(s.numel, s.inner, cfg, self.uneven, self.index_dtype_cast)
+            else:
+                if s.numel % cfg["XBLOCK"]:
+                    self.uneven["x"] = "xmask"
+                head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
+                if "x" in self.uneven:
+                    head.append("xmask = xindex < xnumel")
             for root, buf in self.spec.roots:
                 self.store(root, buf, self.root_env(root))
         elif s.kind == "matmul":

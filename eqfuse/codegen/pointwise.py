@@ -24,9 +24,10 @@ from .indexing import Digit, Env, Idx, env_of, regroup
 
 MIN_SIDE = 16  # a tile side below this is not worth a 2-D iteration
 
-FLAT = Idx("xindex", frozenset("x"))
-ROWS = Idx("yindex", frozenset("y"))
-COLS = Idx("xindex", frozenset("x"))
+# The flat index and the 2-D iteration's column index are one name: "x" is the axis
+# along which the output is contiguous either way.
+XINDEX = Idx("xindex", frozenset("x"))
+YINDEX = Idx("yindex", frozenset("y"))
 
 
 def inner_extent(spec: KernelSpec) -> int:
@@ -35,9 +36,9 @@ def inner_extent(spec: KernelSpec) -> int:
     starts: Counter = Counter()
     numel = spec.roots[0][0].numel
     for root, _ in spec.roots:
-        for load, env in loads_at(root, env_of([(FLAT, root.numel)], root.shape, FLAT)):
+        for load, env in loads_at(root, env_of([(XINDEX, root.numel)], root.shape, XINDEX)):
             digit = unit_stride_digit(load, env)
-            if digit is not None and digit.atom == FLAT and digit.lo > 1:
+            if digit is not None and digit.atom == XINDEX and digit.lo > 1:
                 starts[digit.lo] += load.numel
     if not starts:
         return 0
@@ -51,10 +52,10 @@ def tiled_env(root: PNode, inner: int) -> Env:
     ``inner`` (a second output of another shape), unravelled from the linear index."""
     rows = root.numel // inner
     linear = Idx(f"(yindex * {inner} + xindex)", frozenset("xy"))
-    digits = [Digit(ROWS, rows, 1, rows), Digit(COLS, inner, 1, inner)]
+    digits = [Digit(YINDEX, rows, 1, rows), Digit(XINDEX, inner, 1, inner)]
     if regroup(digits, root.shape) is None:
         return env_of([(linear, root.numel)], root.shape, linear)
-    return env_of([(ROWS, rows), (COLS, inner)], root.shape, linear)
+    return env_of([(YINDEX, rows), (XINDEX, inner)], root.shape, linear)
 
 
 def default_config(numel: int, inner: int) -> dict:

@@ -98,7 +98,7 @@ def _accumulators(sched) -> int:
 def _operand_rows(sched, cfg: dict) -> int:
     """Operand tile rows one K step stages: A's and B's of the step's product, or, for
     products computed side by side, one A (they share it: SwiGLU's x) and each B."""
-    return cfg["BLOCK_M"] + (1 if sched.summed else sched.dots) * cfg["BLOCK_N"]
+    return cfg["BLOCK_M"] + _accumulators(sched) * cfg["BLOCK_N"]
 
 
 def resident(sched, cfg: dict) -> int:
