@@ -35,7 +35,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     from .rewrite.extract import Extractor
     from .rewrite.saturate import Limits, saturate
     from .rewrite.validate import mismatch
-    from .runtime.cache import cache_key, load_module
+    from .runtime import plan_cache
     from .runtime.compiled import VERSION, FallbackInfo, make_fallback_runner
     from .schema.from_fx import translate
 
@@ -57,6 +57,16 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
                 and getattr(getattr(n.target, "_schema", None), "is_mutable", False)]
     if mutating:
         return eager(f"in-place op {mutating[0].target} (mutation is not supported yet)")
+    if device_type != "cuda" and not _interpreter_ready():
+        return eager("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
+    key = None
+    if plan_cache.enabled(options.plan_cache):
+        t0 = time.perf_counter()
+        key = plan_cache.plan_key(captured, example_inputs, options, device, title)
+        hit = _from_plan_cache(key, captured, example_inputs, parallel, result)
+        seconds["plan_cache"] = time.perf_counter() - t0 - seconds.get("load", 0.0) - seconds.get("compile", 0.0)
+        if hit:
+            return _rounded(result)
     def extract_plan():
         t0 = time.perf_counter()
         tr = translate(captured)
@@ -108,8 +118,6 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     if problem:
         return eager(problem)
 
-    if device_type != "cuda" and not _interpreter_ready():
-        return eager("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
     t0 = time.perf_counter()
     source, infos = generate_module(plan, title, VERSION)
     tuning: dict = {}  # seconds spent compiling and first launching kernels, and the pool's outcome
@@ -122,9 +130,26 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
             return eager(str(e))
         source, infos = generate_module(plan, title, VERSION, configs)
     seconds["codegen"] = time.perf_counter() - t0 - tuning.get("seconds", 0.0)
-    key = cache_key(source, device_type, VERSION, _triton_version())
+    result["report"].update(saturation=sat.as_dict(), extraction=ext_report)
+    result["report"]["saturation"]["eclasses"] = sat.eclasses
+    _finish(result, plan, source, infos, captured, example_inputs, parallel, tuning)
+    if key is not None:
+        _store_plan(key, result)
+    return _rounded(result)
+
+
+def _finish(result: dict, plan, source: str, infos: list, captured, example_inputs, parallel: bool,
+            tuning: dict) -> None:
+    """The generated module loaded (and its kernels compiled, on a GPU): ``result`` made
+    runnable. ``tuning``: what choosing the block sizes compiled (see _compile_kernels)."""
+    from .runtime.cache import cache_key, load_module
+    from .runtime.compiled import VERSION, FallbackInfo, make_fallback_runner
+
+    device_type = result["device"].type
+    seconds = result["report"]["seconds"]
     t0 = time.perf_counter()
-    module = load_module(key, source, interpret=device_type != "cuda")
+    module = load_module(cache_key(source, device_type, VERSION, _triton_version()), source,
+                         interpret=device_type != "cuda")
     seconds["load"] = time.perf_counter() - t0
     if device_type == "cuda" and infos:
         _compile_kernels(module, infos, plan, list(example_inputs) + list(captured.constants),
@@ -134,8 +159,53 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
         fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks],
     )
-    result["report"].update(saturation=sat.as_dict(), extraction=ext_report)
-    result["report"]["saturation"]["eclasses"] = sat.eclasses
+
+
+# The report's parts a plan cache entry keeps: what explain() prints of the build that made it.
+_PLAN_REPORT = ("saturation", "extraction", "retries")
+
+
+def _from_plan_cache(key: str, captured, example_inputs, parallel: bool, result: dict) -> bool:
+    """``result`` completed from the plan cache entry ``key``, if there is one that checks
+    out and loads; else False, with the reason in the report where an entry was refused."""
+    from .runtime import plan_cache
+
+    report = result["report"]
+    entry, problem = plan_cache.load(key)
+    if entry is not None:
+        problem = plan_cache.check(entry, captured, example_inputs)
+    if entry is None or problem:
+        report["plan_cache"] = {"hit": False, "key": key, **({"rebuilt": problem} if problem else {})}
+        return False
+    try:
+        _finish(result, entry.plan, entry.source, entry.kernels, captured, example_inputs, parallel, {})
+    except Exception as e:  # noqa: BLE001 - an entry that does not load is rebuilt, not trusted
+        for k in ("load", "compile"):
+            report["seconds"].pop(k, None)
+        report.pop("compile", None)
+        report["plan_cache"] = {"hit": False, "key": key,
+                                "rebuilt": f"its module does not load: {type(e).__name__}: {e}"}
+        return False
+    report.update({k: entry.report[k] for k in _PLAN_REPORT if k in entry.report})
+    report["plan_cache"] = {"hit": True, "key": key, "built_seconds": entry.seconds}
+    return True
+
+
+def _store_plan(key: str, result: dict) -> None:
+    """The built plan stored under ``key``; the report says whether it was."""
+    from .runtime import plan_cache
+
+    report = result["report"]
+    entry = plan_cache.Entry(result["plan"], result["kernels"], result["source"],
+                             {k: report[k] for k in _PLAN_REPORT if k in report},
+                             {k: round(v, 4) for k, v in report["seconds"].items()})
+    problem = plan_cache.store(key, entry)
+    report["plan_cache"] = {**report.get("plan_cache", {"hit": False, "key": key}),
+                            "stored": problem is None, **({"not_stored": problem} if problem else {})}
+
+
+def _rounded(result: dict) -> dict:
+    seconds = result["report"]["seconds"]
     for k in seconds:
         seconds[k] = round(seconds[k], 4)
     return result

@@ -38,6 +38,10 @@ class Options:
     # compile the kernels in a pool of worker processes before their first launch, not one
     # after the other as they are first launched (GPU only; EQFUSE_PARALLEL_COMPILE=0 turns it off)
     parallel_compile: bool = True
+    # keep each compiled graph's plan on disk and reuse it when the same graph is compiled again
+    # for the same inputs, options and device, skipping saturation to code generation
+    # (runtime/plan_cache.py; EQFUSE_PLAN_CACHE=0 turns it off)
+    plan_cache: bool = True
 
     @classmethod
     def make(cls, **kw):
@@ -198,6 +202,9 @@ class _Variant:
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: "
                  f"{len(self.kernels)} kernel(s), {len(self.fallbacks)} eager fallback(s)"]
         rep = self.report
+        if rep.get("plan_cache", {}).get("hit"):
+            lines.append(f"  plan: from the plan cache (entry {rep['plan_cache']['key']}); the figures below "
+                         "are those of the build that stored it")
         if "saturation" in rep:
             s = rep["saturation"]
             lines.append(f"  saturation: {s['iterations']} iterations, {s['enodes']} e-nodes, "
