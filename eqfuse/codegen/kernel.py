@@ -256,12 +256,20 @@ def _reads_run_along_rows(reduces, rows: int, cols: int, shape) -> bool:
     r, c = Idx("rindex", frozenset("r")), Idx("cindex", frozenset("c"))
     full = env_of([(r, rows), (c, cols)], shape)
     point = {"rindex": max(0, rows // 2 - 1), "cindex": max(0, cols // 2 - 1)}
+
+    def unit_step(load, env, index: str) -> bool:
+        # Two neighbouring steps: one of them may cross a digit boundary (the row index of
+        # [S, rows] partials at S/2 * rows, a head boundary of [heads x 64] features), both
+        # only where the index has no unit digit at all.
+        return any(abs(access.address_step(load, env, index, {**point, index: max(0, point[index] - back)})) == 1
+                   for back in (0, 1))
+
     along_rows = along_cols = 0
     for red in reduces:
         for load, env in access.loads_at(red.args[0], full):
-            if abs(access.address_step(load, env, "cindex", point)) == 1:
+            if unit_step(load, env, "cindex"):
                 along_cols += load.numel
-            elif abs(access.address_step(load, env, "rindex", point)) == 1:
+            elif unit_step(load, env, "rindex"):
                 along_rows += load.numel
     return along_rows > along_cols
 
