@@ -104,13 +104,24 @@ class Translator:
         self.fallbacks: list[Fallback] = []
         self.roots: list[str] = []
         self.inputs: list = []
+        self._ivecs: dict[tuple, Any] = {}
+
+    def ivec(self, values):
+        """``terms.ivec(values)``, made once per distinct vector: building an egglog term
+        through its Python API costs about 0.2 ms, and a graph spells the same few shapes
+        and strides a thousand times (every new term's shape fact names one)."""
+        key = tuple(int(v) for v in values)
+        vec = self._ivecs.get(key)
+        if vec is None:
+            vec = self._ivecs[key] = self.t.ivec(key)
+        return vec
 
     # --- term construction -------------------------------------------------------------------
     def mk(self, term, dtype: str, shape):
         """Record the dtype and shape analyses of a new term."""
         from egglog import i64, set_
         self.facts.append(set_(self.t.vdtype(term)).to(i64(self.t.dtype_code(dtype))))
-        self.facts.append(set_(self.t.vshape(term)).to(self.t.ivec(shape)))
+        self.facts.append(set_(self.t.vshape(term)).to(self.ivec(shape)))
         return term
 
     def const(self, value, dtype: str):
@@ -125,8 +136,8 @@ class Translator:
         if isinstance(entry, BufferView):
             t = self.t
             buf = t.Input(t.buffer_code(entry.buf), t.dtype_code(entry.dtype))
-            return self.mk(t.LoadStrided(buf, t.ivec(entry.shape),
-                                         t.ivec(entry.strides), entry.offset), entry.dtype, entry.shape)
+            return self.mk(t.LoadStrided(buf, self.ivec(entry.shape),
+                                         self.ivec(entry.strides), entry.offset), entry.dtype, entry.shape)
         raise TypeError(entry)
 
     def cast(self, term, src: str, dst: str, shape):
@@ -139,7 +150,7 @@ class Translator:
         if isinstance(arg, (BufferView, Computed)):
             v = self.cast(self.value(arg), arg.dtype, dtype, arg.shape)
             if tuple(arg.shape) != tuple(shape):
-                v = self.mk(self.t.Broadcast(v, self.t.ivec(shape)), dtype, shape)
+                v = self.mk(self.t.Broadcast(v, self.ivec(shape)), dtype, shape)
             return v
         raise Unsupported(f"argument of type {type(arg).__name__}")
 
@@ -517,7 +528,7 @@ def _full(tr, node, *args, **kw):
              aten.ones_like: lambda: 1}[pk]()
     v = tr.const(value, dt)
     if shape:
-        v = tr.mk(tr.t.Broadcast(v, tr.t.ivec(shape)), dt, shape)
+        v = tr.mk(tr.t.Broadcast(v, tr.ivec(shape)), dt, shape)
     return Computed(v, shape, dt)
 
 
@@ -530,7 +541,7 @@ def _arange(tr, node, *args, **kw):
         start = nums[0]
     if len(nums) >= 3:
         step = nums[2]
-    v = tr.mk(tr.t.Iota(tr.t.ivec(shape), 0), "int64", shape)
+    v = tr.mk(tr.t.Iota(tr.ivec(shape), 0), "int64", shape)
     v = tr.cast(v, "int64", dt, shape)
     if step != 1:
         v = tr.mk(tr.t.Binary("mul", v, tr.const(step, dt)), dt, shape)
@@ -549,24 +560,24 @@ def _reduce(tr, x, dims, keepdim: bool, op: str, out_dtype: str, out_shape):
     dims = sorted({d % rank for d in dims}) if rank and dims else list(range(rank))
     v = tr.cast(tr.value(x), x.dtype, out_dtype, shape)
     if rank == 0:
-        v = tr.mk(t.Reshape(v, t.ivec((1, 1))), out_dtype, (1, 1))
+        v = tr.mk(t.Reshape(v, tr.ivec((1, 1))), out_dtype, (1, 1))
         kept, red = [], [1]
     else:
         kept = [d for d in range(rank) if d not in dims]
         perm = kept + dims
         if perm != list(range(rank)):
-            v = tr.mk(t.Permute(v, t.ivec(perm)), out_dtype, tuple(shape[d] for d in perm))
+            v = tr.mk(t.Permute(v, tr.ivec(perm)), out_dtype, tuple(shape[d] for d in perm))
         red_n = math.prod(shape[d] for d in dims)
         flat = tuple(shape[d] for d in kept) + (red_n,)
         if not kept:
             flat = (1, red_n)
         if flat != tuple(shape[d] for d in perm):
-            v = tr.mk(t.Reshape(v, t.ivec(flat)), out_dtype, flat)
+            v = tr.mk(t.Reshape(v, tr.ivec(flat)), out_dtype, flat)
         red = [red_n]
     reduced_shape = tuple(shape[d] for d in kept) + (1,) if kept else (1, 1)
     r = tr.mk(t.Reduce(op, v), out_dtype, reduced_shape)
     if tuple(out_shape) != reduced_shape:
-        r = tr.mk(t.Reshape(r, t.ivec(out_shape)), out_dtype, out_shape)
+        r = tr.mk(t.Reshape(r, tr.ivec(out_shape)), out_dtype, out_shape)
     return Computed(r, tuple(out_shape), out_dtype), red[0]
 
 
@@ -613,7 +624,7 @@ def _var(tr, node, x, dims, correction=0.0, **kw):
     s, n = _reduce(tr, x, dims, True, "sum", dt, keep_shape)
     mean = tr.mk(t.Binary("div", s.term, tr.const(n, dt)), dt, keep_shape)
     xv = tr.cast(tr.value(x), x.dtype, dt, x.shape)
-    dev = tr.mk(t.Binary("sub", xv, tr.mk(t.Broadcast(mean, t.ivec(x.shape)), dt, x.shape)), dt, x.shape)
+    dev = tr.mk(t.Binary("sub", xv, tr.mk(t.Broadcast(mean, tr.ivec(x.shape)), dt, x.shape)), dt, x.shape)
     sq = tr.mk(t.Binary("mul", dev, dev), dt, x.shape)
     ss, _ = _reduce(tr, Computed(sq, tuple(x.shape), dt), dims, False, "sum", dt, shape)
     return Computed(tr.mk(t.Binary("div", ss.term, tr.const(max(n - correction, 0), dt)), dt, shape), shape, dt)
@@ -634,7 +645,7 @@ def _view(tr, node, x, make_term):
 
 
 def _reshape_term(tr):
-    return lambda v, shape: tr.t.Reshape(v, tr.t.ivec(shape))
+    return lambda v, shape: tr.t.Reshape(v, tr.ivec(shape))
 
 
 @handles(aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.flatten,
@@ -645,7 +656,7 @@ def _reshape(tr, node, x, *args, **kw):
 
 @handles(aten.expand)
 def _expand(tr, node, x, *args, **kw):
-    return _view(tr, node, x, lambda v, shape: tr.t.Broadcast(v, tr.t.ivec(shape)))
+    return _view(tr, node, x, lambda v, shape: tr.t.Broadcast(v, tr.ivec(shape)))
 
 
 @handles(prims.broadcast_in_dim)
@@ -657,9 +668,9 @@ def _broadcast_in_dim(tr, node, x, shape, bdims):
     t = tr.t
     v = tr.value(x)
     if tuple(inter) != tuple(x.shape):
-        v = tr.mk(t.Reshape(v, t.ivec(inter)), x.dtype, tuple(inter))
+        v = tr.mk(t.Reshape(v, tr.ivec(inter)), x.dtype, tuple(inter))
     if tuple(inter) != tuple(shape):
-        v = tr.mk(t.Broadcast(v, t.ivec(shape)), x.dtype, tuple(shape))
+        v = tr.mk(t.Broadcast(v, tr.ivec(shape)), x.dtype, tuple(shape))
     return Computed(v, tuple(shape), x.dtype)
 
 
@@ -675,7 +686,7 @@ def _permute(tr, node, x, *args, **kw):
         perm[a], perm[b] = perm[b], perm[a]
     else:
         perm = list(reversed(range(rank)))
-    return _view(tr, node, x, lambda v, shape: tr.t.Permute(v, tr.t.ivec(perm)))
+    return _view(tr, node, x, lambda v, shape: tr.t.Permute(v, tr.ivec(perm)))
 
 
 def _norm_start(start, size):
@@ -703,7 +714,7 @@ def _select(tr, node, x, dim, index):
     def term(v, shape):
         sliced_shape = tuple(1 if d == dim else s for d, s in enumerate(x.shape))
         sliced = tr.mk(t.Slice(v, dim, index, 1, 1), x.dtype, sliced_shape)
-        return t.Reshape(sliced, t.ivec(shape))
+        return t.Reshape(sliced, tr.ivec(shape))
     return _view(tr, node, x, term)
 
 
@@ -807,7 +818,7 @@ def _mm(tr, node, a, b):
     a4, b4 = batched
     d = _dot(tr, node, a4, b4, a4.shape[:-1] + b4.shape[-1:])
     shape, dt = _out(node)
-    return Computed(tr.mk(tr.t.Reshape(d.term, tr.t.ivec(shape)), dt, shape), shape, dt)
+    return Computed(tr.mk(tr.t.Reshape(d.term, tr.ivec(shape)), dt, shape), shape, dt)
 
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
