@@ -15,10 +15,10 @@ def build(fn, example_inputs, options) -> dict:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from .frontend.capture import capture
+    from .runtime import plan_cache
 
-    if _parallel(options, example_inputs):
-        from .runtime.parallel_compile import prestart
-        prestart()  # its workers start up while the graph is captured, saturated and extracted
+    if _parallel(options, example_inputs) and not plan_cache.enabled(options.plan_cache):
+        _prestart()  # with the plan cache on, after a miss (see _build_captured)
     t0 = time.perf_counter()
     captured = capture(fn, example_inputs)
     seconds = {"capture": time.perf_counter() - t0}
@@ -67,6 +67,11 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         seconds["plan_cache"] = time.perf_counter() - t0 - seconds.get("load", 0.0) - seconds.get("compile", 0.0)
         if hit:
             return _rounded(result)
+        if parallel:
+            # Not before the lookup: starting the workers costs the first compile of a process
+            # about 0.4 s (H100, 16 workers), which a hit whose kernels Triton has cached
+            # does not need. They still start before translation, saturation and extraction.
+            _prestart()
     def extract_plan():
         t0 = time.perf_counter()
         tr = translate(captured)
@@ -209,6 +214,12 @@ def _rounded(result: dict) -> dict:
     for k in seconds:
         seconds[k] = round(seconds[k], 4)
     return result
+
+
+def _prestart() -> None:
+    """parallel_compile's workers started now, to be ready when the kernels are."""
+    from .runtime.parallel_compile import prestart
+    prestart()
 
 
 def _parallel(options, example_inputs) -> bool:

@@ -246,3 +246,21 @@ def test_turned_off_by_option_or_environment(cache, monkeypatch):
     c = eqfuse.compile(block, inputs)
     assert "plan_cache" not in c.report
     assert not (cache / "plans").exists() or not list((cache / "plans").iterdir())
+
+
+@pytest.mark.gpu
+def test_a_hit_starts_no_compile_workers(cache, monkeypatch):
+    """Starting the compile pool costs a process's first compile ~0.4 s: a hit whose
+    kernels Triton has cached needs no worker, so the pool is started after a miss only."""
+    from eqfuse.runtime import parallel_compile
+    started = []
+    real = parallel_compile.prestart
+    monkeypatch.setattr(parallel_compile, "prestart", lambda: started.append(1) or real())
+    x, w = torch.randn(64, 32, device="cuda"), torch.randn(32, 48, device="cuda")
+    fn = lambda x, w: torch.relu(x @ w)  # noqa: E731
+    first = eqfuse.compile(fn, (x, w), autotune=False)
+    assert started and first.report["plan_cache"]["hit"] is False
+    started.clear()
+    again = eqfuse.compile(fn, (x, w), autotune=False)
+    assert again.report["plan_cache"]["hit"] is True and started == []
+    assert_matches(again(x, w), fn(x, w), contraction=True)
