@@ -30,14 +30,8 @@ def build(fn, example_inputs, options) -> dict:
 
 
 def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dict:
-    from .codegen.module import generate_module
-    from .rewrite.egraph_json import serialize
-    from .rewrite.extract import Extractor
-    from .rewrite.saturate import Limits, saturate
-    from .rewrite.validate import mismatch
     from .runtime import plan_cache
     from .runtime.compiled import VERSION, FallbackInfo, make_fallback_runner
-    from .schema.from_fx import translate
 
     device = example_inputs[0].device if example_inputs else torch.device("cpu")
     device_type = device.type
@@ -68,10 +62,18 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         if hit:
             return _rounded(result)
         if parallel:
-            # Not before the lookup: starting the workers costs the first compile of a process
-            # about 0.4 s (H100, 16 workers), which a hit whose kernels Triton has cached
-            # does not need. They still start before translation, saturation and extraction.
+            # Not before the lookup: a hit whose kernels Triton has cached needs no worker.
+            # They still start before translation, saturation and extraction.
             _prestart()
+    # Imported after the lookup: extraction's imports (egglog, networkx) take 0.2-0.4 s, the
+    # most of a process's first compile when its plan comes from the cache.
+    from .codegen.module import generate_module
+    from .rewrite.egraph_json import serialize
+    from .rewrite.extract import Extractor
+    from .rewrite.saturate import Limits, saturate
+    from .rewrite.validate import mismatch
+    from .schema.from_fx import translate
+
     def extract_plan():
         t0 = time.perf_counter()
         tr = translate(captured)

@@ -100,6 +100,7 @@ SCRIPT = textwrap.dedent("""
     x, w = torch.randn(8, 16, device=sys.argv[1]), torch.randn(16, 24, device=sys.argv[1])
     c = eqfuse.compile(f, (x, w))
     print(json.dumps({"cache": c.report["plan_cache"], "stages": sorted(c.report["seconds"]),
+                      "egglog_imported": "egglog" in sys.modules,
                       "out": c(x, w).tolist(), "ref": f(x, w).tolist(), "source": c.source}))
 """)
 
@@ -117,6 +118,7 @@ def test_a_second_process_takes_the_plan(cache, tmp_path):
     first, second = runs
     assert first["cache"]["hit"] is False and first["cache"]["stored"] is True
     assert second["cache"]["hit"] is True and "saturate" not in second["stages"]
+    assert first["egglog_imported"] and not second["egglog_imported"]  # a hit does without it
     assert second["source"] == first["source"]
     torch.testing.assert_close(torch.tensor(second["out"]), torch.tensor(second["ref"]), rtol=1e-3, atol=1e-3)
     assert second["out"] == first["out"]
