@@ -232,14 +232,15 @@ def _mm(a, b):
     ("fp32 K=6 (24-byte rows)", False),
     ("fp16 column-major A", True),
     ("3-D input of a linear", True),
-    ("batched", False),
+    ("batched", True),
     ("prologue on A", False),
     ("sliced A (offset of 2 elements)", False),
     ("sliced A (offset of 8 elements)", True),
 ])
 def test_which_matmuls_can_take_the_tma_form(case, expected):
     """TMA takes a plain read whose tile is a 2-D box with a contiguous dim, its other
-    stride and its offset multiples of 16 bytes; nothing batched, nothing computed."""
+    stride and its offset multiples of 16 bytes (a batched one a 3-D box: more in
+    test_tma_batched.py); nothing computed."""
     h, bf, f = torch.float16, torch.bfloat16, torch.float32
     cases = {
         "fp16 row-major": (_mm, (torch.randn(40, 64, dtype=h), torch.randn(64, 48, dtype=h))),
@@ -268,7 +269,9 @@ def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(
     from eqfuse.codegen import tiles, tma
     _, k = _kernel(_mm, (torch.randn(512, 256, dtype=torch.float16), torch.randn(256, 384, dtype=torch.float16)))
     h = torch.float16
-    _, batched = _kernel(_mm, (torch.randn(2, 64, 64, dtype=h), torch.randn(2, 64, 64, dtype=h)))
+    # Batched with a long K: the K loop outlasts the store, nothing for the TMA form to overlap
+    _, batched = _kernel(_mm, (torch.randn(2, 64, 1024, dtype=h), torch.randn(2, 1024, 64, dtype=h)))
+    _, computed = _kernel(lambda a, b: (a * 2 + 1) @ b, (torch.randn(40, 64, dtype=h), torch.randn(64, 48, dtype=h)))
     monkeypatch.setattr(tma, "device_supports", lambda: False)
     assert not any("PROGRAMS" in c for c in tiles.candidates(k.schedule))
     monkeypatch.setattr(tma, "device_supports", lambda: True)
@@ -284,7 +287,7 @@ def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(
         tiles_count = -(-512 // c["BLOCK_M"]) * -(-384 // c["BLOCK_N"])
         assert c["PROGRAMS"] == min(132, tiles_count)
     assert any("PROGRAMS" in c for c in kgen.tuning_candidates(k.schedule))
-    assert not any("PROGRAMS" in c for c in tiles.candidates(batched.schedule))
+    assert batched.schedule.tma and not any("PROGRAMS" in c for c in tiles.candidates(batched.schedule))
     # Two products in one loop: the form runs (forced), but is not offered (slower on an H100)
     swiglu = MATMUL_EXAMPLES["swiglu_mlp"]
     compiled = eqfuse.compile(swiglu.fn, swiglu.make_inputs(64, 64, 64, torch.float16, DEVICE))
@@ -292,7 +295,7 @@ def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(
     assert two.dots == 2 and two.tma and kgen.fits(two, TMA_CFG)
     assert not any("PROGRAMS" in c for c in tiles.candidates(two))
     # A cached or user config in the TMA form is refused for a matmul that cannot take it
-    assert kgen.fits(k.schedule, TMA_CFG) and not kgen.fits(batched.schedule, TMA_CFG)
+    assert kgen.fits(k.schedule, TMA_CFG) and not kgen.fits(computed.schedule, TMA_CFG)
     assert not kgen.fits(k.schedule, {**TMA_CFG, "PROGRAMS": 0})
 
 

@@ -17,8 +17,9 @@ Four schedules (the fourth, attention, is written by codegen/attention.py):
   is computed on the accumulators (epilogue). Batch dims are the grid's second axis.
   On Hopper and later, where both operands are plain reads a TMA descriptor can describe
   (codegen/tma.py), a second form is offered: persistent programs (``PROGRAMS`` in the
-  config), operand tiles fetched by TMA, output tiles stored by TMA where their layout
-  allows; the tile model and the autotuner choose between the two;
+  config) walking the tiles of every matrix of the batch, operand tiles fetched by TMA,
+  output tiles stored by TMA where their layout allows; the tile model and the autotuner
+  choose between the two;
 * attention: softmax products (``ExpDot``/``ExpSum``) streamed over the keys with a
   running max, one program per block of query rows.
 
@@ -82,6 +83,7 @@ class Schedule:
     d: int = 0  # attention: [*batch, M, N] scores, values [*batch, N, D]; k is q's head dim
     band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
     tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
+    tile_reads: int = 0  # matmul: loads after the K loop that vary along both M and N (a residual, a mask)
 
     @property
     def sizes(self) -> dict:
@@ -153,8 +155,24 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
         raise Unschedulable(f"a batch of {math.prod(batch)} matmuls (the grid takes {MAX_GRID_Y})")
     sched = Schedule("matmul", batch=batch, m=shape[-2], n=shape[-1], k=k, dot_dtype=dtype, dots=len(dots),
                      summed=len(dots) > 1 and summed_products(spec) is not None)
-    return replace(sched, tma=not batch and all(operand_box(d.args[i], env, atoms) is not None
-                                                for d in dots for i, env, atoms in _operand_sides(sched)))
+    return replace(sched, tma=all(operand_box(d.args[i], env, atoms) is not None
+                                  for d in dots for i, env, atoms in _operand_sides(sched)),
+                   tile_reads=_epilogue_tile_reads(spec, sched, dots))
+
+
+def _epilogue_tile_reads(spec: KernelSpec, sched: Schedule, dots: list) -> int:
+    """How many loads outside the products' operands vary along both M and N: tiles
+    read in the epilogue (a residual, a boolean mask), not fetched ahead by the K loop's
+    pipelining. The tile model counts them against the TMA form (codegen/tiles.py)."""
+    operand_loads = {id(n) for d in dots for a in d.args for n in a.walk() if n.op == "load"}
+    out_env = matmul_envs(sched)[0]
+    found = set()
+    for root, _ in spec.roots:
+        for load, env in access.loads_at(root, reshape_env(out_env, root.shape)):
+            buf, strides, offset = load.attrs
+            if id(load) not in operand_loads and {"m", "n"} <= strided_offset(env, strides, load.shape, offset).axes:
+                found.add(id(load))
+    return len(found)
 
 
 def summed_products(spec: KernelSpec) -> PNode | None:
@@ -200,15 +218,17 @@ def matmul_envs(s: Schedule) -> tuple:
 
 
 def _operand_sides(s: Schedule) -> tuple:
-    """(operand position, its tile's environment, (row index, K index)) for A and B."""
+    """(operand position, its tile's environment, (row index, K index, batch index or None))
+    for A and B."""
     _, a_env, b_env = matmul_envs(s)
-    return ((0, a_env, ("mindex", "kindex_a")), (1, b_env, ("nindex", "kindex_b")))
+    batch = "bindex" if s.batch else None
+    return ((0, a_env, ("mindex", "kindex_a", batch)), (1, b_env, ("nindex", "kindex_b", batch)))
 
 
 def operand_box(node: PNode, env: Env, atoms: tuple) -> tma.Box | None:
     """The descriptor box of a matmul operand read as stored (through index maps only),
-    or None where TMA cannot fetch its tile (a prologue, a batch, strides or an offset
-    TMA does not take)."""
+    or None where TMA cannot fetch its tile (a prologue, batch dims that do not fold into
+    one index, strides or an offset TMA does not take)."""
     base, benv = node, env
     while base.op in ("broadcast", "reshape", "permute"):
         base, benv = base.args[0], KernelWriter.operand_env(base, benv)
@@ -551,41 +571,54 @@ class KernelWriter:
         return out.expr
 
     def descriptor(self, b: tma.Box, block: tuple) -> str:
-        """The name of the descriptor of box ``b`` with tile ``block`` (made once per program)."""
+        """The name of the descriptor of box ``b`` with tile ``block`` (made once per program);
+        a batched box is 3-D, one matrix deep."""
         key = (b, block)
         if key not in self.descriptors:
             name = self.descriptors[key] = f"desc{len(self.descriptors) + 1}"
             base = f"{b.buf} + {b.offset}" if b.offset else b.buf
+            shape, strides, tile = [*b.shape], [b.stride, 1], [*block]
+            if b.batch:
+                shape, strides, tile = [b.batch[1], *shape], [b.batch[0], *strides], [1, *tile]
             self.descriptor_lines.append(
-                f"{name} = tl.make_tensor_descriptor({base}, shape=[{b.shape[0]}, {b.shape[1]}], "
-                f"strides=[{b.stride}, 1], block_shape=[{block[0]}, {block[1]}])")
+                f"{name} = tl.make_tensor_descriptor({base}, shape=[{', '.join(map(str, shape))}], "
+                f"strides=[{', '.join(map(str, strides))}], block_shape=[{', '.join(map(str, tile))}])")
             self.tma_params.add(b.buf)
         return self.descriptors[key]
+
+    def batch_coord(self, b: tma.Box) -> str:
+        """The batch coordinate of a 3-D box's tile ('' for a 2-D box): TMA takes int32."""
+        if not b.batch:
+            return ""
+        return "bindex.to(tl.int32), " if self.index_dtype_cast else "bindex, "
 
     def descriptor_load(self, node, env, axes) -> str:
         """An operand tile fetched by TMA: ``[BLOCK_M, BLOCK_K]`` of A or ``[BLOCK_K, BLOCK_N]``
         of B, read as its buffer lies and transposed (a view) where K is not contiguous
         in it. Past the buffer's edges TMA reads zeros, so no mask."""
         row = "m" if "m" in axes else "n"
-        atoms = ("mindex", "kindex_a") if row == "m" else ("nindex", "kindex_b")
-        b = operand_box(node, env, atoms)
+        side = _operand_sides(self.s)[0 if row == "m" else 1]
+        b = operand_box(node, env, side[2])
         if b.buf not in self.params:
             self.params.append(b.buf)
         rblock, start = ("BLOCK_M", "pid_m * BLOCK_M") if row == "m" else ("BLOCK_N", "pid_n * BLOCK_N")
-        k_inner = b.inner == atoms[1]
+        k_inner = b.inner == side[2][1]
         block = (rblock, "BLOCK_K") if k_inner else ("BLOCK_K", rblock)
         name = self.descriptor(b, block)
-        coords = f"[{start}, k0]" if k_inner else f"[k0, {start}]"
+        coords = f"[{self.batch_coord(b)}{start}, k0]" if k_inner else f"[{self.batch_coord(b)}k0, {start}]"
+        tile = f"{name}.load({coords})"
+        if b.batch:  # one matrix deep: the [1, rows, cols] block as a matrix
+            tile += f".reshape({block[0]}, {block[1]})"
         # A wants [rows, K] and B [K, cols]: A read K-contiguous and B read N-contiguous are as stored
         as_stored = k_inner == (row == "m")
-        return f"{name}.load({coords})" + ("" if as_stored else ".T")
+        return tile + ("" if as_stored else ".T")
 
     def descriptor_store(self, expr: str, buf: str, env: Env, shape) -> bool:
         """Store an output tile through a descriptor, in two halves along N (half the shared
         memory staging buffer), if its layout allows: lines written, True; else False."""
         item = ops.itemsize(self.buffers[buf].dtype)
         affine = tma.atom_strides(env, self.buffers[buf].layout, shape)
-        b = tma.box(buf, item, 0, affine, "mindex", "nindex")
+        b = tma.box(buf, item, 0, affine, "mindex", "nindex", "bindex" if self.s.batch else None)
         if b is None or b.inner != "nindex":
             return False
         name = self.descriptor(b, ("BLOCK_M", "BLOCK_N // 2"))
@@ -593,8 +626,10 @@ class KernelWriter:
         self.lines.append(f"{out} = ({expr}).to({buf}.dtype.element_ty)")
         self.lines.append(f"{out}_lo, {out}_hi = tl.split(tl.permute(tl.reshape({out}, "
                           f"(BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))")
-        self.lines.append(f"{name}.store([pid_m * BLOCK_M, pid_n * BLOCK_N], {out}_lo)")
-        self.lines.append(f"{name}.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], {out}_hi)")
+        deep = ".reshape(1, BLOCK_M, BLOCK_N // 2)" if b.batch else ""
+        at = self.batch_coord(b)
+        self.lines.append(f"{name}.store([{at}pid_m * BLOCK_M, pid_n * BLOCK_N], {out}_lo{deep})")
+        self.lines.append(f"{name}.store([{at}pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], {out}_hi{deep})")
         return True
 
     def _emit_reduce(self, node, env):
@@ -710,8 +745,10 @@ class KernelWriter:
             for root, buf in self.spec.roots:
                 self.store(root, buf, self.root_env(root))
             if persistent:
+                # Tiles numbered matrix by matrix: a batch index, then the tile in the matrix
                 head += self.descriptor_lines + tile[:2]
-                head.append("for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):")
+                count = f"tiles_m * tiles_n * {math.prod(s.batch)}" if s.batch else "tiles_m * tiles_n"
+                head.append(f"for tile in tl.range(tl.program_id(0), {count}, PROGRAMS, flatten=True):")
                 self.lines = ["    " + line for line in tile[2:] + self.lines]
             else:
                 head += tile
@@ -760,7 +797,8 @@ class KernelWriter:
             if size % cfg[blk]:
                 self.uneven[axis] = name
         cast = self.index_dtype_cast
-        pid = "tile" if "PROGRAMS" in cfg else "tl.program_id(0)"
+        persistent = "PROGRAMS" in cfg
+        pid = "tile % (tiles_m * tiles_n)" if persistent and s.batch else "tile" if persistent else "tl.program_id(0)"
         head = ["tiles_m = tl.cdiv(M, BLOCK_M)",
                 "tiles_n = tl.cdiv(N, BLOCK_N)",
                 f"pid = {pid}",
@@ -770,7 +808,9 @@ class KernelWriter:
                 "pid_n = (pid % (GROUP_M * tiles_n)) // group_rows",
                 f"mindex = pid_m{cast} * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
                 f"nindex = pid_n{cast} * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"]
-        if s.batch:
+        if s.batch and persistent:
+            head.append(f"bindex = (tile // (tiles_m * tiles_n)){cast}")
+        elif s.batch:
             head.append(f"bindex = tl.program_id(1){cast}")
         if "m" in self.uneven:
             head.append("mmask = mindex < M")

@@ -16,6 +16,13 @@ both forms. The
 TMA form is a persistent loop over tiles: the next tile's operands are fetched while this
 tile's epilogue runs, which the model counts as a smaller cost per tile; its output tile
 is staged in shared memory for the TMA store, which counts against the stages.
+
+Batched products take the TMA form only where it pays, as measured on an H100: where the
+output tile's store takes longer than its K loop (attention scores, K = 128: 919 us
+against 1228 for one program per tile), and where the epilogue reads no M x N tile
+through pointers (the same scores with a boolean mask loaded: 1758 us against 1450; the
+load is not pipelined and, one program per SM, nothing hides it). At K = 2048 (P @ V) the
+TMA form was 1-5% slower.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ def _clamp(block: int, size: int) -> int:
     return max(MIN_BLOCK, min(block, 1 << max(0, (int(size) - 1).bit_length())))
 
 
-def candidates(sched, with_tma: bool | None = None) -> list[dict]:
+def candidates(sched, with_tma: bool | None = None, device: Device | None = None) -> list[dict]:
     """Every tile configuration this matmul can run with, clamped to its sizes: one
     program per tile, and, where the matmul and the device take it (``with_tma``: by
     default, where tma.device_supports()), the same tile in the TMA form."""
@@ -65,6 +72,7 @@ def candidates(sched, with_tma: bool | None = None) -> list[dict]:
         # Not for two products in one loop (the SwiGLU MLP's first kernel): on an H100 the
         # TMA form ran it in 1457 us against 1099 for one program per tile
         with_tma = sched.tma and sched.dots == 1 and tma.device_supports()
+    device = device or device_model()
     item = ops.itemsize(sched.dot_dtype)
     out = []
     for bm, bn, bk, warps, stages in TILES:
@@ -79,7 +87,7 @@ def candidates(sched, with_tma: bool | None = None) -> list[dict]:
             continue
         if cfg not in out:
             out.append(cfg)
-        if with_tma:
+        if with_tma and _tma_pays(sched, cfg, device):
             # The output half-tile staged for the TMA store takes shared memory too: a stage
             # fewer where it does not fit beside them
             store = cfg["BLOCK_M"] * cfg["BLOCK_N"] // 2 * STORE_ITEMSIZE
@@ -89,6 +97,16 @@ def candidates(sched, with_tma: bool | None = None) -> list[dict]:
             if fit >= 2 and persistent not in out:
                 out.append(persistent)
     return out
+
+
+def _tma_pays(sched, cfg: dict, device: Device) -> bool:
+    """Whether the TMA form of this tile is worth offering: always for a single matrix; for
+    a batch, only where the tile's store outlasts its K loop and no M x N tile is read after
+    the loop (module docstring: measured)."""
+    if not sched.batch:
+        return True
+    loop, store = _tile_us(sched, cfg, device)
+    return store > loop and not sched.tile_reads
 
 
 def _accumulators(sched) -> int:
@@ -109,8 +127,9 @@ def resident(sched, cfg: dict) -> int:
 
 
 def programs(sched, cfg: dict) -> int:
-    """Persistent programs: one per SM, or one per tile where there are fewer tiles."""
-    tiles = math.ceil(sched.m / cfg["BLOCK_M"]) * math.ceil(sched.n / cfg["BLOCK_N"])
+    """Persistent programs: one per SM, or one per tile (of every matrix of the batch) where
+    there are fewer tiles."""
+    tiles = math.ceil(sched.m / cfg["BLOCK_M"]) * math.ceil(sched.n / cfg["BLOCK_N"]) * math.prod(sched.batch)
     return max(1, min(tiles, tma.sm_count()))
 
 
@@ -136,11 +155,9 @@ def runnable(cfg: dict, sched=None) -> bool:
     return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N", "BLOCK_K")) and cfg["GROUP_M"] >= 1
 
 
-def modelled_time_us(sched, cfg: dict, device: Device | None = None) -> float:
-    device = device or device_model()
+def _tile_us(sched, cfg: dict, device: Device) -> tuple:
+    """(K loop, output store) of one tile in microseconds, on one SM."""
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles = math.ceil(sched.m / bm) * math.ceil(sched.n / bn) * math.prod(sched.batch)
-    waves = math.ceil(tiles / cfg.get("PROGRAMS", device.sms))
     steps = math.ceil(sched.k / bk)
     flops = 2 * bm * bn * bk * sched.dots
     moved = _operand_rows(sched, cfg) * bk * ops.itemsize(sched.dot_dtype)
@@ -149,17 +166,26 @@ def modelled_time_us(sched, cfg: dict, device: Device | None = None) -> float:
     if sched.summed:  # a K loop per product, each step one product's
         flops, steps = flops // sched.dots, steps * sched.dots
     step = max(flops / per_sm_flops, moved / per_sm_bytes) + STEP_OVERHEAD_US
+    store = bm * bn * ops.itemsize(sched.dot_dtype) / (device.bandwidth_bytes_per_us / device.sms)
+    return steps * step, store
+
+
+def modelled_time_us(sched, cfg: dict, device: Device | None = None) -> float:
+    device = device or device_model()
+    tiles = math.ceil(sched.m / cfg["BLOCK_M"]) * math.ceil(sched.n / cfg["BLOCK_N"]) * math.prod(sched.batch)
+    waves = math.ceil(tiles / cfg.get("PROGRAMS", device.sms))
+    loop, store = _tile_us(sched, cfg, device)
     per_tile = PERSISTENT_TILE_OVERHEAD_US if "PROGRAMS" in cfg else TILE_OVERHEAD_US
-    body = steps * step + per_tile
     # The output tile's store: hidden behind another program's loads where the SM holds
     # two or more (or the persistent form fetches the next tile meanwhile), else after the
-    # loop. With a short K (q @ k^T at head dim 128) the store is most of the work.
-    store = bm * bn * ops.itemsize(sched.dot_dtype) / (device.bandwidth_bytes_per_us / device.sms)
+    # loop. With a short K (q @ k^T at head dim 128) the store is most of the work; a
+    # tile's fixed cost is paid either way, so fewer, larger tiles win there (measured on
+    # an H100, TMA form: 128 x 256 tiles 919 us, 128 x 128 1086).
     overlapped = "PROGRAMS" in cfg or resident(sched, cfg) > 1
-    return waves * (max(body, store) if overlapped else body + store)
+    return waves * ((max(loop, store) if overlapped else loop + store) + per_tile)
 
 
 def ranked(sched, device: Device | None = None) -> list[dict]:
     """Candidates, fastest modelled first (ties keep the table's order)."""
     device = device or device_model()
-    return sorted(candidates(sched), key=lambda cfg: modelled_time_us(sched, cfg, device))
+    return sorted(candidates(sched, device=device), key=lambda cfg: modelled_time_us(sched, cfg, device))
