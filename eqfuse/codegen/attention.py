@@ -157,7 +157,32 @@ def attention_env(sched, axes: str, shape) -> Env:
 def masked_band(s: PNode) -> tuple | None:
     """``(lo, hi)`` such that every score a row ``i`` may use has its column ``j`` in
     ``i + lo <= j <= i + hi`` (elsewhere the score is certainly -inf); None when no
-    mask is known or it removes no whole diagonal."""
+    mask is known or it removes no whole diagonal.
+
+    Extraction weighs the same scores in many candidate kernels (GPT-2's forward: 79
+    times, most of a second of its extraction), each a new tree: the answer is kept by
+    the tree's structure."""
+    key = _structure(s, {})
+    if key not in _bands:
+        if len(_bands) >= 256:
+            _bands.clear()
+        _bands[key] = _masked_band(s)
+    return _bands[key]
+
+
+_bands: dict = {}  # the structure of a scores tree -> its band
+
+
+def _structure(node: PNode, memo: dict) -> tuple:
+    """A hashable image of the tree under ``node``: equal for trees that compute the same."""
+    key = memo.get(id(node))
+    if key is None:
+        key = memo[id(node)] = (node.op, node.attrs, node.shape, node.dtype,
+                                tuple(_structure(a, memo) for a in node.args))
+    return key
+
+
+def _masked_band(s: PNode) -> tuple | None:
     *_, m, n = s.shape
     if m * n > BAND_ANALYSIS_MAX:
         return None
