@@ -38,6 +38,8 @@ from .egraph_json import EGraphView, ENode
 OP_COST = {"Load": 1.0, "LoadStrided": 1.0, "Const": 0.01, "Iota": 0.1, "Where": 1.0, "Cast": 0.5,
            "Reduce": 2.0, "Broadcast": 0.05, "Reshape": 0.05, "Permute": 0.05, "Slice": 0.05, "Cat": 1.0,
            "Dot": 2.0, "ExpDot": 3.0, "ExpSum": 2.0}
+# The ops a value computed from indices and constants alone is made of (see _from_indices).
+INDEX_OPS = {"Iota", "Const", "Unary", "Binary", "Where", "Cast", "Broadcast", "Reshape", "Permute", "Slice"}
 # A matmul kernel evaluates its operands once per output tile they meet: an operand of
 # [M, K] is computed about N / DOT_TILE times. Work moves to the epilogue when that is cheaper.
 DOT_TILE = 128
@@ -99,6 +101,7 @@ class Extractor:
         self._fallback_reads: dict = {}  # and the buffers each reads
         self._recipes: dict[str, tuple] = {}  # class -> how a kernel computes it (see _recipe)
         self._stored_loads: dict[str, tuple] = {}  # class -> how a kernel reads its buffer
+        self._index_only: dict[str, bool] = {}  # class -> computed from indices and constants alone
         self._fixed_buffers: dict | None = None  # inputs and eager steps' outputs, for trial plans
         self._temp_buffers: dict[str, Buffer] = {}  # class -> its buffer, for trial plans
 
@@ -510,7 +513,7 @@ class Extractor:
             p = memo.get(c)
             if p is not None:
                 return p
-            if c in M and c not in here:
+            if c in M and c not in here and not self._from_indices(c):
                 loads.add(c)
                 attrs, shape, dtype = self._stored_load(c)
                 p = PNode("load", attrs, (), shape, dtype, c)
@@ -533,6 +536,19 @@ class Extractor:
         label = (self.fx_names(root) or ["value"])[0]
         spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names))).known_walk(nodes)
         return spec, inline, loads, reads
+
+    def _from_indices(self, c) -> bool:
+        """Whether ``c`` is computed from indices and constants alone (a causal mask): a
+        kernel that needs it recomputes it rather than loading it, even where it is stored
+        for someone else (a training forward hands the mask to the backward). A load in a
+        matmul's epilogue costs that kernel its TMA form (H100, Llama's q @ k^T with a
+        causal where: 1493 us with the mask loaded, 916 recomputed)."""
+        known = self._index_only.get(c)
+        if known is None:
+            n = self.best[c]
+            known = n.op in INDEX_OPS and all(self._from_indices(k) for k in self.value_children(n))
+            self._index_only[c] = known
+        return known
 
     def _stored_load(self, c) -> tuple:
         """(load attrs, shape, dtype) of a kernel reading materialised ``c`` from its buffer."""
