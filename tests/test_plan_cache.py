@@ -158,6 +158,14 @@ def test_a_changed_eqfuse_source_misses(cache, monkeypatch):
     assert again.report["plan_cache"]["hit"] is False and _key(again) != _key(first)
 
 
+def test_turning_split_reductions_off_misses(cache, monkeypatch):
+    """A plan built with split reductions is not one to run where they are turned off."""
+    first = eqfuse.compile(block, block_inputs())
+    monkeypatch.setenv("EQFUSE_SPLIT_REDUCTIONS", "0")
+    again = eqfuse.compile(block, block_inputs())
+    assert again.report["plan_cache"]["hit"] is False and _key(again) != _key(first)
+
+
 def _corrupt_truncated(path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])

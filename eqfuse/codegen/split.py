@@ -54,12 +54,17 @@ STAGE1_SUFFIX = "_partials"
 ENV = "EQFUSE_SPLIT_REDUCTIONS"
 
 
+def enabled() -> bool:
+    """Unless ``EQFUSE_SPLIT_REDUCTIONS=0`` (a plan cache key holds this too)."""
+    return os.environ.get(ENV, "1") != "0"
+
+
 def split_reductions(plan: Plan) -> None:
     """Rewrite ``plan`` in place: each reduction kernel that qualifies (module docstring)
     becomes its two stages, and their partials buffers join ``plan.buffers``. In place, so
     that whoever runs the plan after code generation (autotuner, compile pool, export)
     sees the kernels the module launches. Running it again changes nothing."""
-    if os.environ.get(ENV, "1") == "0":
+    if not enabled():
         return
     steps = []
     for step in plan.steps:
