@@ -16,6 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def switched_on(env: str, option: bool = True) -> bool:
+    """``option``, unless the environment variable ``env`` says 0, false, off or no (the
+    switches that turn the plan cache and the compile pool off from outside a program)."""
+    return option and os.environ.get(env, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def cache_dir() -> Path:
     root = os.environ.get("EQFUSE_CACHE_DIR")
     if not root:

@@ -43,6 +43,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .cache import switched_on
+
 ENV_SWITCH = "EQFUSE_PARALLEL_COMPILE"  # "0" turns the pool off
 ENV_WORKERS = "EQFUSE_COMPILE_WORKERS"  # number of worker processes
 ENV_TIMEOUT = "EQFUSE_COMPILE_TIMEOUT"  # seconds one kernel may take in a worker
@@ -52,7 +54,7 @@ DEFAULT_TIMEOUT_S = 600.0
 
 def enabled(option: bool = True) -> bool:
     """The option, unless ``EQFUSE_PARALLEL_COMPILE=0`` turns it off."""
-    return option and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return switched_on(ENV_SWITCH, option)
 
 
 def worker_count() -> int:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import cache_dir, write_atomic
+from .cache import cache_dir, switched_on, write_atomic
 
 FORMAT = 1  # bumped when an entry's layout changes
 MAGIC = b"eqfuse-plan"
@@ -47,7 +47,7 @@ ENV_SWITCH = "EQFUSE_PLAN_CACHE"
 
 def enabled(option: bool = True) -> bool:
     """The option, unless ``EQFUSE_PLAN_CACHE=0`` turns it off."""
-    return option and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return switched_on(ENV_SWITCH, option)
 
 
 @dataclass
