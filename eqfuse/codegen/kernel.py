@@ -84,6 +84,7 @@ class Schedule:
     band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
     tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
     tile_reads: int = 0  # matmul: loads after the K loop that vary along both M and N (a residual, a mask)
+    gathered: int = 0  # matmul: operand loads beyond one per operand (a concatenation's parts, selected per element)
 
     @property
     def sizes(self) -> dict:
@@ -117,6 +118,8 @@ class Schedule:
         products = f", {self.dots} products" if self.dots > 1 else ""
         if self.summed:
             products = f", sum of {self.dots} products"
+        if self.gathered:
+            products += f", operands gathered from {self.gathered} more reads"
         return f"matmul {batch}[{self.m} x {self.k}] @ [{self.k} x {self.n}] {self.dot_dtype}{products}"
 
     def grid(self, cfg: dict) -> tuple:
@@ -157,7 +160,8 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
                      summed=len(dots) > 1 and summed_products(spec) is not None)
     return replace(sched, tma=all(operand_box(d.args[i], env, atoms) is not None
                                   for d in dots for i, env, atoms in _operand_sides(sched)),
-                   tile_reads=_epilogue_tile_reads(spec, sched, dots))
+                   tile_reads=_epilogue_tile_reads(spec, sched, dots),
+                   gathered=sum(max(0, sum(n.op == "load" for n in a.walk()) - 1) for d in dots for a in d.args))
 
 
 def _epilogue_tile_reads(spec: KernelSpec, sched: Schedule, dots: list) -> int:

@@ -17,6 +17,12 @@ TMA form is a persistent loop over tiles: the next tile's operands are fetched w
 tile's epilogue runs, which the model counts as a smaller cost per tile; its output tile
 is staged in shared memory for the TMA store, which counts against the stages.
 
+An operand gathered from several reads (a concatenation fused into the product, each
+element selected from one of its parts) goes through registers: its loads are not
+pipelined, so a step takes the loads' time plus the products'. Measured on an H100
+(GPT-2's backward, the q/k/v gradients concatenated): [2304 x 8192] @ [8192 x 768] 143 us
+gathered, about 45 for cuBLAS over the stored concatenation.
+
 Batched products take the TMA form only where it pays, as measured on an H100: where the
 output tile's store takes longer than its K loop (attention scores, K = 128: 919 us
 against 1228 for one program per tile), and where the epilogue reads no M x N tile
@@ -165,7 +171,10 @@ def _tile_us(sched, cfg: dict, device: Device) -> tuple:
     per_sm_bytes = device.bandwidth_bytes_per_us * device.l2_speedup / device.sms
     if sched.summed:  # a K loop per product, each step one product's
         flops, steps = flops // sched.dots, steps * sched.dots
-    step = max(flops / per_sm_flops, moved / per_sm_bytes) + STEP_OVERHEAD_US
+    if sched.gathered:  # selected element by element in registers: the loads are not pipelined
+        step = flops / per_sm_flops + moved / per_sm_bytes + STEP_OVERHEAD_US
+    else:
+        step = max(flops / per_sm_flops, moved / per_sm_bytes) + STEP_OVERHEAD_US
     store = bm * bn * ops.itemsize(sched.dot_dtype) / (device.bandwidth_bytes_per_us / device.sms)
     return steps * step, store
 
