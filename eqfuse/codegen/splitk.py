@@ -35,7 +35,8 @@ kernels by torch.profiler), ``a.t() @ b`` fp16 with 8192 tokens as K:
 
 * [768 x 8192] @ [8192 x 768]: single kernel (72 tiles of 128 x 64, TMA) 36.4 us; S = 2
   26.3 + 2.1 us (stage 1 72 tiles of 128 x 128), S = 4 25.2 + 2.9, S = 8 24.0 + 5.8;
-  S = 3 (padded) 68.6 + 2.6. The model picks S = 2.
+  S = 3 (padded) 68.6 + 2.6. The model picks S = 2 (a second run: 33.1 -> 26.5 + 2.3 us;
+  a call, host included, 48.5 -> 35.5 us, torch.mm 29.3).
 * [3072 x 8192] @ [8192 x 768] (and its transpose): single kernel (72 tiles of 128 x 256,
   TMA) 80.4 us; S = 2 80.9 + 6.4, S = 4 69.1 + 12.4, S = 8 79.5 + 30.7, S = 3 (padded)
   221.9 + 8.6. No count gains: the partials' traffic eats what the idle SMs give. The
