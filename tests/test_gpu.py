@@ -156,3 +156,18 @@ def test_a_pool_that_fails_leaves_kernels_to_the_first_launch(fresh_caches, jit_
         assert not compiled.fallbacks
     finally:
         pc.shutdown()  # later tests start a working pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_product_over_a_concatenation_on_gpu(dtype):
+    """GPT-2's cat(dq, dk, dv) @ W^T at a realistic width: one kernel whose K loop picks
+    each part's buffer by address per step (compiled for real, not interpreted)."""
+    def f(q, k, v, w):
+        return torch.cat([q, k, v], -1).reshape(-1, 3 * q.shape[-1]) @ w.t()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 256, 768, device="cuda", dtype=dtype) for _ in range(3))
+    w = torch.randn(768, 2304, device="cuda", dtype=dtype) / 48
+    compiled = eqfuse.compile(f, (q, k, v, w), autotune=False)
+    assert_matches(compiled(q, k, v, w), f(q, k, v, w), contraction=True)
+    (kernel,) = compiled.kernels
+    assert kernel.schedule.summed and "part_a = " in kernel.source

@@ -57,7 +57,8 @@ def test_swiglu_mlp_computes_both_products_in_one_loop():
 @pytest.mark.parametrize("batch", [(), (3,)], ids=["unbatched", "batched"])
 def test_summed_products_share_one_accumulator(batch, dtype):
     """A backward's input gradient through three projections, ``dq @ Wq + dk @ Wk + dv @ Wv``,
-    plus a residual: one kernel, one accumulator, a K loop per product."""
+    plus a residual: one kernel, one accumulator, one K loop over the three K ranges (the
+    reads share a layout: each step picks its product's buffers)."""
     def grad_through_projections(a, b, c, wa, wb, wc, r):
         return a @ wa + b @ wb + c @ wc + r
 
@@ -70,7 +71,24 @@ def test_summed_products_share_one_accumulator(batch, dtype):
     (kernel,) = compiled.kernels
     assert kernel.schedule.summed and kernel.schedule.dots == 3
     assert kernel.source.count("tl.zeros([BLOCK_M, BLOCK_N]") == 1
-    assert kernel.source.count("for k0 in range") == 3
+    assert kernel.source.count("for k1 in range(0, 3 * ") == 1 and kernel.source.count("tl.dot(") == 1
+
+
+def test_summed_products_with_reads_of_different_layouts_loop_apart():
+    """``a @ wa + bt.T @ wb``: the left operands are read in different layouts (one
+    transposed), so no single loop picks between them: a K loop per product, still one
+    accumulator, and the K ranges ragged (100 is no multiple of the block)."""
+    def two_projections(a, bt, wa, wb):
+        return a @ wa + bt.t() @ wb
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(17, 100, device=DEVICE), torch.randn(100, 17, device=DEVICE),
+              torch.randn(100, 33, device=DEVICE), torch.randn(100, 33, device=DEVICE)]
+    compiled = compiled_and_checked(two_projections, inputs)
+    (kernel,) = compiled.kernels
+    assert kernel.schedule.summed and kernel.schedule.dots == 2
+    assert kernel.source.count("tl.zeros([BLOCK_M, BLOCK_N]") == 1
+    assert kernel.source.count("for k0 in range") == 2
 
 
 def test_products_used_apart_keep_their_own_accumulators():

@@ -79,7 +79,7 @@ class Schedule:
     k: int = 0
     dot_dtype: str = ""
     dots: int = 0
-    summed: bool = False  # matmul: the products are only added up (one accumulator, a K loop each)
+    summed: bool = False  # matmul: the products are only added up (one accumulator, their K ranges end to end)
     d: int = 0  # attention: [*batch, M, N] scores, values [*batch, N, D]; k is q's head dim
     band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
     tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
@@ -209,6 +209,64 @@ def summed_products(spec: KernelSpec) -> PNode | None:
             if found is not None and len(found) == len(dots):
                 return n
     return None
+
+
+# The operand buffers of a summed loop's current product (KernelWriter.summed_loop).
+PART_A, PART_B = "part_a", "part_b"
+
+
+def shared_reads(dots: list, dtype: str) -> tuple | None:
+    """Where every product's left operand is a plain read (index maps over a load of the
+    dot dtype) with one layout, and so is every right operand: per side, the (buffer,
+    offset) of each product's read and the operand as read from the side's PART buffer
+    at offset 0. Else None.
+
+    Summed products in one loop over their K ranges, the buffers picked by address per
+    step, compile like a single product; a loop per product made Triton's pipeliner take
+    44 s over three (H100, GPT-2's cat(dq, dk, dv) @ W^T: 0.4 s and 54 us one loop, 44 s
+    and 67 us three)."""
+    sides = []
+    for i, name in ((0, PART_A), (1, PART_B)):
+        shapes = {_read_layout(d.args[i], dtype) for d in dots}
+        if len(shapes) != 1 or None in shapes:
+            return None
+        parts = [_base_read(d.args[i]).attrs for d in dots]
+        sides.append(([(buf, offset) for buf, _, offset in parts], _reread(dots[0].args[i], name)))
+    return tuple(sides)
+
+
+def _base_read(node: PNode) -> PNode:
+    while node.op in ("broadcast", "reshape", "permute"):
+        node = node.args[0]
+    return node
+
+
+def _read_layout(node: PNode, dtype: str):
+    """The index maps and read layout of a plain read of ``dtype`` (its buffer and offset
+    aside), or None where ``node`` computes."""
+    chain = []
+    while node.op in ("broadcast", "reshape", "permute"):
+        chain.append((node.op, node.attrs, node.shape))
+        node = node.args[0]
+    if node.op != "load" or node.dtype != dtype:
+        return None
+    return tuple(chain), node.attrs[1], node.shape
+
+
+def _reread(node: PNode, buf: str) -> PNode:
+    """``node`` with its read taken from ``buf`` at offset 0."""
+    if node.op == "load":
+        return replace(node, attrs=(buf, node.attrs[1], 0))
+    return replace(node, args=(_reread(node.args[0], buf),))
+
+
+def _pick(parts: list) -> str:
+    """The address of the current part's buffer: a select over ``part``, innermost last."""
+    expr = None
+    for i, (buf, offset) in reversed(list(enumerate(parts))):
+        at = f"{buf} + {offset}" if offset else buf
+        expr = at if expr is None else f"tl.where(part == {i}, {at}, {expr})"
+    return expr
 
 
 def matmul_envs(s: Schedule) -> tuple:
@@ -507,16 +565,22 @@ class KernelWriter:
 
     def emit_dots(self):
         """One loop over K that feeds every product of the kernel; or, where the products
-        are only summed (``summed_products``), one loop per product into one accumulator."""
+        are only summed (``summed_products``), their K ranges end to end into one
+        accumulator: one loop where their reads share a layout (``shared_reads``), else a
+        loop per product."""
         out_env, a_env, b_env = self.matmul_envs()
         dots = [n for n in self.spec.walk() if n.op == "dot"]
         if self.s.summed:
             acc = self.fresh("acc")
             self.lines.append(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
-            for d in dots:
-                self.open_loop()
-                self.loop.append(f"{acc} = {self.dot_step(d, a_env, b_env, acc)}")
-                self.close_loop()
+            shared = shared_reads(dots, self.s.dot_dtype) if self.descriptors is None else None
+            if shared is not None:
+                self.summed_loop(shared, acc, a_env, b_env)
+            else:
+                for d in dots:
+                    self.open_loop()
+                    self.loop.append(f"{acc} = {self.dot_step(d, a_env, b_env, acc)}")
+                    self.close_loop()
             total = summed_products(self.spec)
             self.memo_outer[(id(total), env_key(reshape_env(out_env, total.shape)))] = Val(acc, frozenset("mn"))
             return
@@ -529,6 +593,22 @@ class KernelWriter:
         self.close_loop()
         for d, acc in zip(dots, accs):
             self.memo_outer[(id(d), env_key(out_env))] = Val(acc, frozenset("mn"))
+
+    def summed_loop(self, shared: tuple, acc: str, a_env: Env, b_env: Env):
+        """Products whose operands are reads of one layout (``shared_reads``) as one K loop
+        over their K ranges laid end to end: each step picks its product's buffers by
+        address, then loads and multiplies as a single product does."""
+        (a_parts, a_at), (b_parts, b_at) = shared
+        for buf, _ in a_parts + b_parts:
+            if buf not in self.params:
+                self.params.append(buf)
+        self.open_loop()
+        for name, parts in ((PART_A, a_parts), (PART_B, b_parts)):
+            self.loop.append(f"{name} = {_pick(parts)}")
+        template = PNode("dot", (), (a_at, b_at), (self.s.m, self.s.n), self.s.dot_dtype)
+        self.loop.append(f"{acc} = {self.dot_step(template, a_env, b_env, acc)}")
+        self.params = [p for p in self.params if p not in (PART_A, PART_B)]
+        self.close_loop(parts=len(a_parts))
 
     def dot_step(self, d: PNode, a_env: Env, b_env: Env, acc: str) -> str:
         """One K step of product ``d``, added to ``acc`` (operand loads go in the loop)."""
@@ -673,22 +753,31 @@ class KernelWriter:
         self.loop = []
         self.memo_loop = {}
 
-    def close_loop(self):
+    def close_loop(self, parts: int = 1):
+        """Ends the loop being written. A matmul loop with ``parts`` > 1 walks that many K
+        ranges one after the other (each padded to whole BLOCK_K steps): ``part`` says
+        which, and the K indices are within it."""
         body = self.loop
         self.loop = None
         self.memo_loop = {}
         if self.s.kind == "matmul" and self.descriptors is not None:
             head = ["for k0 in range(0, K, BLOCK_K):"]  # TMA: tiles by coordinates, zeros past K
+        elif self.s.kind == "matmul" and parts > 1:
+            head = [f"for k1 in range(0, {parts} * tl.cdiv(K, BLOCK_K) * BLOCK_K, BLOCK_K):",
+                    "    part = k1 // (tl.cdiv(K, BLOCK_K) * BLOCK_K)",
+                    "    k0 = k1 - part * (tl.cdiv(K, BLOCK_K) * BLOCK_K)",
+                    "    kindex_a = k0 + tl.arange(0, BLOCK_K)[None, :]",
+                    "    kindex_b = k0 + tl.arange(0, BLOCK_K)[:, None]"]
         elif self.s.kind == "matmul":
             head = ["for k0 in range(0, K, BLOCK_K):",
                     "    kindex_a = k0 + tl.arange(0, BLOCK_K)[None, :]",
                     "    kindex_b = k0 + tl.arange(0, BLOCK_K)[:, None]"]
-            if "k" in self.uneven:
-                head += ["    kmask_a = kindex_a < K", "    kmask_b = kindex_b < K"]
         else:
             head = ["for c0 in range(0, C, BLOCK_C):", "    cindex = c0 + tl.arange(0, BLOCK_C)[None, :]"]
             if "c" in self.uneven:
                 head.append("    cmask = cindex < C")
+        if self.s.kind == "matmul" and self.descriptors is None and "k" in self.uneven:
+            head += ["    kmask_a = kindex_a < K", "    kmask_b = kindex_b < K"]
         self.lines.extend(head)
         self.lines.extend("    " + b for b in body)
 
