@@ -164,9 +164,9 @@ def test_kernels_that_store_full_size_outputs_or_nest_reductions_stay_whole(smal
     torch.manual_seed(0)
     x = torch.randn(500, 12)
 
-    def with_full_output(t):
-        y = t * 3
-        return y, y.sum(0)
+    def with_full_output(t):  # 12 rows of 500, and the 12 x 500 product stored in their order
+        y = t.t() * 3
+        return y, y.sum(1)
 
     def nested(t):
         return (t - t.amax(0)).exp().sum(0)
@@ -259,3 +259,18 @@ def test_export_lists_both_stages_with_their_grids(small_splits, tmp_path):
     if torch.cuda.is_available():
         from eqfuse.runtime import load_exported
         assert_matches(load_exported(tmp_path)(x), x.sum(0), contraction=True)
+
+
+def test_a_full_size_output_across_the_rows_is_stored_by_its_own_kernel():
+    """``y = t * 3; y.sum(0)`` over [tokens, features]: the reduction's rows are the
+    features, and y, in token order, would be stored through its flat index unravelled
+    per element (codegen/kernel.py schedule_of): y gets a pointwise kernel, the sum reads
+    it, and both match eager."""
+    def with_full_output(t):
+        y = t * 3
+        return y, y.sum(0)
+    x = torch.randn(500, 12)
+    compiled = eqfuse.compile(with_full_output, [x])
+    assert_matches(compiled(x), with_full_output(x))
+    kinds = [k.schedule.kind for k in compiled.kernels]
+    assert kinds[0] == "pointwise" and set(kinds[1:]) == {"reduction"}, kinds

@@ -325,9 +325,24 @@ def schedule_of(spec: KernelSpec) -> Schedule:
     for root, _ in spec.roots:
         if root.numel not in (rows * cols, rows):
             raise Unschedulable(f"root of {root.numel} elements in a {rows}x{cols} reduction")
+        if root.numel == rows * cols and not _ends_with(root.shape, cols):
+            # Stored through its flat index, unravelled per element, and read again by a
+            # loop of its own (H100, GPT-2's backward: a bias gradient storing the
+            # concatenated q/k/v gradients, 131 us for 38 MB in and out)
+            raise Unschedulable(f"an output of shape {list(root.shape)} across the rows of a {rows}x{cols} reduction")
     columns = cols >= COLUMN_MIN and _reads_run_along_rows(reduces, rows, cols, shape)
     return Schedule("reduction", rows=rows, cols=cols, reduce_shape=shape, columns=columns,
                     persistent=next_pow2(cols) <= PERSISTENT_MAX and not columns)
+
+
+def _ends_with(shape, cols: int) -> bool:
+    """Whether trailing dims of ``shape`` make up ``cols``: the reduction's rows, in order."""
+    inner = 1
+    for d in reversed(shape):
+        if inner == cols:
+            return True
+        inner *= d
+    return inner == cols
 
 
 def _reads_run_along_rows(reduces, rows: int, cols: int, shape) -> bool:
