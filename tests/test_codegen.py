@@ -138,3 +138,16 @@ def test_qkv_gradients_through_a_cat_match_eager():
     grads = [torch.randn(2, 3, 100, 8) for _ in range(3)]
     compiled = eqfuse.compile(fused_qkv_grad, grads)
     assert_matches(compiled(*grads), fused_qkv_grad(*grads))
+
+
+def test_a_concatenation_along_the_rows_iterates_over_row_tiles():
+    """cat([a, b, c], -1) stored: a 2-D iteration over [rows, row length], so each part's
+    read indexes by the tile's own column instead of unravelling the flat index (GPT-2's
+    backward joins the q/k/v gradients so); matches eager at ragged sizes."""
+    def join(a, b, c):
+        return torch.cat([a, b, c], -1).reshape(-1, 3 * a.shape[-1]) * 2
+    a, b, c = (torch.randn(3, 37, 24) for _ in range(3))
+    compiled = eqfuse.compile(join, (a, b, c))
+    assert_matches(compiled(a, b, c), join(a, b, c))
+    (kernel,) = compiled.kernels
+    assert kernel.schedule.kind == "pointwise" and kernel.schedule.inner == 72, kernel.schedule

@@ -1,4 +1,4 @@
-"""Pointwise kernels that transpose: a 2-D iteration instead of a flat one.
+"""Pointwise kernels that transpose or join rows: a 2-D iteration instead of a flat one.
 
 A flat pointwise kernel walks its output in row-major order, ``XBLOCK`` consecutive
 elements per program. When it reads a tensor whose unit-stride dimension is not the
@@ -40,10 +40,21 @@ def inner_extent(spec: KernelSpec) -> int:
             digit = unit_stride_digit(load, env)
             if digit is not None and digit.atom == XINDEX and digit.lo > 1:
                 starts[digit.lo] += load.numel
-    if not starts:
-        return 0
-    inner = starts.most_common(1)[0][0]
+    inner = starts.most_common(1)[0][0] if starts else _joined_rows(spec)
     return inner if inner >= MIN_SIDE and numel // inner >= MIN_SIDE else 0
+
+
+def _joined_rows(spec: KernelSpec) -> int:
+    """The row length of a concatenation along the output's rows (GPT-2's backward joins
+    the q, k and v gradients into [tokens, 3 x 768]), or 0. Iterated flat, each part's
+    read goes through the flat index unravelled per element, and no read is seen to run
+    along the lanes (H100: 70 us for 38 MB in and out); over [rows, row length] tiles the
+    column is the tile's own index."""
+    for root, _ in spec.roots:
+        for node in root.walk():
+            if node.op == "cat" and node.attrs[0] == len(node.shape) - 1 and node.shape[-1] == root.shape[-1]:
+                return node.shape[-1]
+    return 0
 
 
 def tiled_env(root: PNode, inner: int) -> Env:
