@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from ..schema import ops
 from ..schema.plan import FallbackStep, KernelSpec, Plan, contiguous_strides
 from . import kernel as kgen
+from .kmajor import kmajor_operands
 from .split import split_reductions
 from .splitk import split_matmuls
 
@@ -76,7 +77,10 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
     # Matmuls and reductions too narrow to fill the GPU become two kernels (codegen/splitk.py,
     # codegen/split.py; split-K first, whose second stage split reductions leave alone). The
     # plan itself is rewritten, so that the autotuner, the compile pool and export, which run
-    # the plan after this, see the kernels this module launches.
+    # the plan after this, see the kernels this module launches. Before them, TF32 products
+    # get K-major copies of their N-major right operands (codegen/kmajor.py): split-K then
+    # chunks the copy.
+    kmajor_operands(plan)
     split_matmuls(plan)
     split_reductions(plan)
     infos = [kernel_info(k, plan.buffers, configs.get(k.name)) for k in plan.kernels]
