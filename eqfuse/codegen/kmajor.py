@@ -62,10 +62,9 @@ from dataclasses import replace
 
 from ..errors import Unschedulable
 from ..rewrite.cost import Device, device_model
-from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides
+from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, substitute
 from . import access, tiles
 from . import kernel as kgen
-from .split import _substitute
 
 SUFFIX = "_kmajor"
 ENV = "EQFUSE_KMAJOR"
@@ -169,7 +168,7 @@ def build(spec: KernelSpec, rights: list, buffers: dict) -> tuple:
         new_buffers.append(buf)
         stored = PNode("load", (buf.name, contiguous_strides(shape), 0), (), shape, "float32")
         reads[id(b)] = PNode("permute", (perm,), (stored,), b.shape, b.dtype, b.eclass)
-    product = KernelSpec(spec.name, [(_substitute(root, reads), out) for root, out in spec.roots],
+    product = KernelSpec(spec.name, [(substitute(root, reads), out) for root, out in spec.roots],
                          list(spec.fx_nodes))
     return copies, product, new_buffers
 

@@ -41,7 +41,7 @@ import os
 
 from ..errors import Unschedulable
 from ..schema import ops
-from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides
+from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, substitute
 from . import kernel as kgen
 from . import tma
 
@@ -157,7 +157,7 @@ def build_stages(spec: KernelSpec, sched: kgen.Schedule, chunks: int, buffers: d
     for i, red in enumerate(reduces):
         op = red.attrs[0]
         dtype = "float64" if "float64" in (red.dtype, red.args[0].dtype) else "float32"
-        name = _fresh(f"buf_{spec.name}_{i}", buffers)
+        name = stage1_name(f"buf_{spec.name}_{i}", buffers)
         partials.append(Buffer(name, (chunks, rows, 1), dtype, "temp"))
         stage1_roots.append((_chunk_reduce(red, outer, rows, chunks, length, dtype), name))
         # Stage 2 reads the partials [S, rows] as [*outer, S]: chunk s of row r at s * rows + r
@@ -165,7 +165,7 @@ def build_stages(spec: KernelSpec, sched: kgen.Schedule, chunks: int, buffers: d
         load = PNode("load", (name, strides, 0), (), outer + (chunks,), dtype)
         combined[id(red)] = PNode("reduce", (op,), (load,), red.shape, red.dtype, red.eclass)
     first = KernelSpec(spec.name + STAGE1_SUFFIX, stage1_roots, list(spec.fx_nodes))
-    second = KernelSpec(spec.name, [(_substitute(root, combined), buf) for root, buf in spec.roots],
+    second = KernelSpec(spec.name, [(substitute(root, combined), buf) for root, buf in spec.roots],
                         list(spec.fx_nodes))
     return first, second, partials
 
@@ -184,22 +184,7 @@ def _chunk_reduce(red: PNode, outer: tuple, rows: int, chunks: int, length: int,
     return PNode("reduce", (op,), (chunked,), (chunks, rows, 1), dtype)
 
 
-def _substitute(node: PNode, new: dict) -> PNode:
-    """``node`` with the nodes whose id ``new`` maps replaced, rebuilding what is above them."""
-    memo: dict[int, PNode] = {}
-
-    def go(n: PNode) -> PNode:
-        if id(n) in new:
-            return new[id(n)]
-        if id(n) not in memo:
-            args = tuple(go(a) for a in n.args)
-            memo[id(n)] = n if all(a is b for a, b in zip(args, n.args)) else \
-                PNode(n.op, n.attrs, args, n.shape, n.dtype, n.eclass)
-        return memo[id(n)]
-    return go(node)
-
-
-def _fresh(base: str, buffers: dict) -> str:
+def stage1_name(base: str, buffers: dict) -> str:
     """A buffer name ``base...`` ending in STAGE1_SUFFIX that ``buffers`` does not hold."""
     k, out = 0, base + STAGE1_SUFFIX
     while out in buffers:

@@ -56,13 +56,12 @@ import os
 from ..errors import Unschedulable
 from ..rewrite.cost import device_model
 from ..schema import ops
-from ..schema.plan import Buffer, KernelSpec, Plan, PNode
+from ..schema.plan import Buffer, KernelSpec, Plan, PNode, substitute
 from . import kernel as kgen
 from . import tiles, tma
 
-# Shared with split reductions: a stage-1 kernel's (and its buffers') suffix, and the
-# plan-rewriting helpers.
-from .split import STAGE1_SUFFIX, _fresh, _substitute
+# Shared with split reductions: a stage-1 kernel's (and its buffers') suffix and name.
+from .split import STAGE1_SUFFIX, stage1_name
 
 MIN_K = 2048  # a shorter K: the single kernel's loop is too short for the partials to pay
 MIN_CHUNK = 512  # shortest chunk of K a stage-1 tile walks
@@ -169,14 +168,14 @@ def split_time_us(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, chunks: in
 def build_stages(spec: KernelSpec, dot: PNode, chunks: int, buffers: dict) -> tuple:
     """The two kernels and the partials buffer [S, M, N] float32."""
     m, n = dot.shape
-    name = _fresh(f"buf_{spec.name}", buffers)
+    name = stage1_name(f"buf_{spec.name}", buffers)
     partials = Buffer(name, (chunks, m, n), "float32", "temp")
     first = KernelSpec(spec.name + STAGE1_SUFFIX, [(_chunked_product(dot, chunks), name)], list(spec.fx_nodes))
     # Stage 2 reads the partials [S, M, N] as [M * N, S]: chunk s of element r at s * M * N + r
     load = PNode("load", (name, (1, m * n), 0), (), (m * n, chunks), "float32")
     total = PNode("reduce", ("sum",), (load,), (m * n, 1), dot.dtype)
     product = PNode("reshape", (), (total,), (m, n), dot.dtype, dot.eclass)
-    second = KernelSpec(spec.name, [(_substitute(root, {id(dot): product}), buf) for root, buf in spec.roots],
+    second = KernelSpec(spec.name, [(substitute(root, {id(dot): product}), buf) for root, buf in spec.roots],
                         list(spec.fx_nodes))
     return first, second, partials
 

@@ -142,3 +142,18 @@ class Plan:
     @property
     def fallbacks(self) -> list[FallbackStep]:
         return [s for s in self.steps if isinstance(s, FallbackStep)]
+
+
+def substitute(node: PNode, new: dict) -> PNode:
+    """``node`` with the nodes whose id ``new`` maps replaced, rebuilding what is above them."""
+    memo: dict[int, PNode] = {}
+
+    def go(n: PNode) -> PNode:
+        if id(n) in new:
+            return new[id(n)]
+        if id(n) not in memo:
+            args = tuple(go(a) for a in n.args)
+            memo[id(n)] = n if all(a is b for a, b in zip(args, n.args)) else \
+                PNode(n.op, n.attrs, args, n.shape, n.dtype, n.eclass)
+        return memo[id(n)]
+    return go(node)
