@@ -285,6 +285,7 @@ def test_which_matmuls_can_take_the_tma_form(case, expected):
 def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(monkeypatch):
     from eqfuse.codegen import kernel as kgen
     from eqfuse.codegen import tiles, tma
+    from eqfuse.codegen.kernel import Schedule
     _, k = _kernel(_mm, (torch.randn(512, 256, dtype=torch.float16), torch.randn(256, 384, dtype=torch.float16)))
     h = torch.float16
     # Batched with a long K: the K loop outlasts the store, nothing for the TMA form to overlap
@@ -297,14 +298,22 @@ def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(
     cands = tiles.candidates(k.schedule)
     tma_cands = [c for c in cands if "PROGRAMS" in c]
     assert tma_cands and len(tma_cands) < len(cands)  # both forms
-    # each tile shape in both forms, the TMA one ranked just ahead (its epilogue overlaps the next loads)
-    for c in tma_cands:
-        plain = {key: v for key, v in c.items() if key != "PROGRAMS"}
-        assert plain in cands
-        assert tiles.modelled_time_us(k.schedule, c) < tiles.modelled_time_us(k.schedule, plain)
-        tiles_count = -(-512 // c["BLOCK_M"]) * -(-384 // c["BLOCK_N"])
-        assert c["PROGRAMS"] == min(132, tiles_count)
-    assert any("PROGRAMS" in c for c in kgen.tuning_candidates(k.schedule))
+    # each tile shape in both forms. With at most one tile an SM, the TMA form overlaps
+    # nothing and first makes its descriptors: its twin ranks ahead (H100, 1024^3: 14.0 us
+    # against 10.5). With many tiles an SM its overlap wins (H100, [16384 x 4096] @ [4096 x
+    # 4096], 128 x 256 tiles: 734 us against 863)
+    big = Schedule("matmul", m=16384, n=4096, k=4096, dot_dtype="float16", dots=1, tma=True)
+    big_tma = [c for c in tiles.candidates(big) if "PROGRAMS" in c]
+    for sched, offered, ahead in ((k.schedule, tma_cands, False), (big, big_tma, True)):
+        for c in offered:
+            plain = {key: v for key, v in c.items() if key != "PROGRAMS"}
+            assert plain in tiles.candidates(sched)
+            tiles_count = -(-sched.m // c["BLOCK_M"]) * -(-sched.n // c["BLOCK_N"])
+            assert c["PROGRAMS"] == min(132, tiles_count)
+            if c["BLOCK_M"] * c["BLOCK_N"] == 128 * 256:
+                faster = tiles.modelled_time_us(sched, c) < tiles.modelled_time_us(sched, plain)
+                assert faster is ahead, (sched.m, c)
+    assert "PROGRAMS" in tiles.ranked(big)[0] and "PROGRAMS" in kgen.tuning_candidates(big)[0]
     assert batched.schedule.tma and not any("PROGRAMS" in c for c in tiles.candidates(batched.schedule))
     # Two products in one loop: the form runs (forced), but is not offered (slower on an H100)
     swiglu = MATMUL_EXAMPLES["swiglu_mlp"]
@@ -416,3 +425,66 @@ def test_tile_model_hides_a_short_k_matmuls_store_behind_other_programs():
     assert tiles.resident(scores, best) > 1
     big = tiles.ranked(Schedule("matmul", m=8192, n=4096, k=4096, dot_dtype="float16", dots=1))[0]
     assert (big["BLOCK_M"], big["BLOCK_N"]) in ((128, 256), (256, 128))
+
+
+def _gpt2_product(m, n, k, **kw):
+    from eqfuse.codegen.kernel import Schedule
+    return Schedule("matmul", m=m, n=n, k=k, dot_dtype="float16", dots=1, tma=True, **kw)
+
+
+def _tile(cfg):
+    return (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"], "PROGRAMS" in cfg)
+
+
+@pytest.mark.parametrize("shape, reads, expected", [
+    # The fastest of every candidate timed on an H100 (benchmarks/results/matmul-tile-sweep_*.json)
+    ((8192, 3072, 768), 0, (128, 256, 64, 8, 3, True)),  # GPT-2 gelu(x @ W + b): 85.8 us
+    ((8192, 768, 3072), 1, (128, 128, 64, 8, 5, True)),  # + residual: 74.0 (4 stages 77.3, 3 91.7)
+    ((8192, 3072, 768), 1, (128, 128, 64, 8, 3, False)),  # gelu backward, two programs an SM: 118.6 (TMA 125.2)
+    ((3072, 768, 8192), 0, (128, 256, 64, 8, 4, False)),  # weight gradient, 72 tiles: 83.0 (TMA 85.5)
+    ((768, 768, 8192), 0, (64, 128, 128, 4, 3, False)),  # 72 tiles: 41.8 (128 x 64 in the TMA form 48.0)
+    ((2304, 768, 8192), 0, (128, 128, 64, 8, 5, False)),  # 108 tiles: 48.9 (TMA 52.9)
+    ((16384, 4096, 4096), 0, (128, 256, 64, 8, 3, True)),  # Llama: 734 (no TMA 863)
+])
+def test_tile_model_first_choice_at_gpt2_and_llama_sizes(monkeypatch, shape, reads, expected):
+    """The model's arithmetic (default device figures, 132 SMs), checked against the
+    configurations an H100 ran fastest."""
+    from eqfuse.codegen import tiles, tma
+    monkeypatch.setattr(tma, "device_supports", lambda: True)
+    monkeypatch.setattr(tma, "sm_count", lambda: 132)
+    assert _tile(tiles.ranked(_gpt2_product(*shape, tile_reads=reads))[0]) == expected
+
+
+def test_tile_model_terms(monkeypatch):
+    """Each term of the model moves the time the way the H100 measurements did."""
+    from eqfuse.codegen import tiles, tma
+    from eqfuse.codegen.kernel import Schedule
+    monkeypatch.setattr(tma, "device_supports", lambda: True)
+    monkeypatch.setattr(tma, "sm_count", lambda: 132)
+    llama = _gpt2_product(16384, 4096, 4096)
+    tma_form = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "PROGRAMS": 132}
+    # Loads in flight: one program an SM with 3 stages has too few to cover their latency (1075 us against 796, 809)
+    by_stages = [tiles.modelled_time_us(llama, {**tma_form, "num_stages": s}) for s in (3, 4, 5)]
+    assert by_stages[0] > 1.15 * by_stages[1] and by_stages[1] >= by_stages[2]
+    # The TMA form never with 2 stages (1.4-2x slower than 3 wherever timed)
+    assert all(c["num_stages"] >= tiles.MIN_TMA_STAGES for c in tiles.candidates(llama) if "PROGRAMS" in c)
+    # Two programs an SM hide one's epilogue read behind the other's loop, at a cost to both loops
+    backward = _gpt2_product(8192, 3072, 768, tile_reads=1)
+    first = tiles.ranked(backward)[0]
+    assert "PROGRAMS" not in first and tiles.resident(backward, first) == 2
+    # ... while over a long K loop, sharing the SM costs more than it hides (77.3 us against 71.2)
+    long_k = _gpt2_product(8192, 768, 3072)
+    two, one = ({**first, "num_stages": stages} for stages in (3, 4))
+    assert tiles.resident(long_k, two) == 2 and tiles.resident(long_k, one) == 1
+    assert tiles.modelled_time_us(long_k, two) > tiles.modelled_time_us(long_k, one)
+    # Fewer busy SMs clock higher: the same 128 x 256 tile computes faster with 72 tiles than with all SMs busy
+    tile = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    few, many = _gpt2_product(3072, 768, 8192), _gpt2_product(128 * 132, 256, 8192)
+    assert tiles.modelled_time_us(few, tile) < tiles.modelled_time_us(many, tile)
+    # Two products side by side (SwiGLU): not on 4 warps (256 accumulator registers a thread
+    # spilled: 9644 us against 2356), and at Llama's 16384 tokens slower than the products apart
+    dual = Schedule("matmul", m=16384, n=11008, k=4096, dot_dtype="float16", dots=2, tma=True)
+    assert all(c["num_warps"] == 8 for c in tiles.candidates(dual) if c["BLOCK_M"] * c["BLOCK_N"] == 128 * 128)
+    apart = [_gpt2_product(16384, 11008, 4096), _gpt2_product(16384, 11008, 4096, tile_reads=1)]
+    modelled = lambda sched: tiles.modelled_time_us(sched, tiles.ranked(sched)[0])  # noqa: E731
+    assert modelled(dual) > sum(map(modelled, apart))

@@ -122,8 +122,10 @@ def test_model_picks_the_tma_form_for_llamas_scores_and_not_for_its_long_k_produ
 
 
 def test_compiled_scores_offer_the_tma_form_where_it_pays(hopper):
+    # Offered among the candidates; at these few tiles the model ranks it after one program
+    # per tile (each program first makes its descriptors), so the autotuner's finalists may not hold it
     _, k = _kernel(*_cases(H)["scores causal"])
-    offered = [c for c in kgen.tuning_candidates(k.schedule) if "PROGRAMS" in c]
+    offered = [c for c in tiles.candidates(k.schedule) if "PROGRAMS" in c]
     assert offered and all(kgen.fits(k.schedule, c) for c in offered)
     n_tiles = lambda c: 6 * -(-33 // c["BLOCK_M"]) * -(-56 // c["BLOCK_N"])  # noqa: E731
     assert all(c["PROGRAMS"] == min(132, n_tiles(c)) for c in offered)
