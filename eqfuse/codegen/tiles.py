@@ -140,6 +140,12 @@ TMA_SETUP_US = 3.0  # the TMA form: a program's descriptors, made on the device 
 TMA_TILE_US = 0.3  # the TMA form: each tile's turn of the persistent loop (indices, the store's wait)
 PRODUCTS_SIDE_BY_SIDE = 1.15  # a K step of two products sharing A (SwiGLU), against one of twice the tile
 MAX_BOOST = 1.24  # an SM's clock alone against all SMs at the power cap: 1.98 GHz against ~1.6
+# Tensor-core rate of a tile under 256 columns against one of 256: each product instruction
+# (m64nNk16) reads its A tile from shared memory again, for half the work at N = 128. An
+# H100, [16384 x 4096] @ [4096 x 4096] fp16, TMA form: 128 x 256 tiles 734 us, 128 x 128
+# 796-810, 256 x 128 877; Llama's weight gradient [11008 x 16384] @ [16384 x 4096]: 128 x
+# 256 about 1990 us, 128 x 128 (5 stages) about 2500 (models benchmark, two runs).
+NARROW_MMA_RATE = 0.92
 
 
 def _clamp(block: int, size: int) -> int:
@@ -262,6 +268,8 @@ def _tile_us(sched, cfg: dict, device: Device, together: int, active: int,
     flops = 2 * bm * bn * bk * sched.dots
     moved = _operand_rows(sched, cfg) * bk * item
     per_sm_flops = device.tensor_flops_per_us(sched.dot_dtype) / device.sms * _boost(active, device)
+    if bn < 256:
+        per_sm_flops *= NARROW_MMA_RATE
     per_sm_feed = device.bandwidth_bytes_per_us * device.l2_speedup * OPERAND_FEED / device.sms
     per_sm_memory = device.bandwidth_bytes_per_us / device.sms
     if sched.summed:  # a K loop per product, each step one product's
