@@ -62,7 +62,7 @@ from dataclasses import replace
 
 from ..errors import Unschedulable
 from ..rewrite.cost import Device, device_model
-from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, substitute
+from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, rewrite_kernels, substitute
 from . import access, tiles
 from . import kernel as kgen
 
@@ -91,16 +91,11 @@ def kmajor_operands(plan: Plan) -> None:
     again changes nothing (the operands are K-major then)."""
     if not enabled() or not tf32_allowed():
         return
-    steps = []
-    for step in plan.steps:
-        parts = kmajor_kernel(step, plan.buffers) if isinstance(step, KernelSpec) else None
-        if parts is None:
-            steps.append(step)
-            continue
-        copies, product, buffers = parts
-        plan.buffers.update({b.name: b for b in buffers})
-        steps += copies + [product]
-    plan.steps[:] = steps
+
+    def stages(kernel, buffers):
+        parts = kmajor_kernel(kernel, buffers)
+        return parts and (parts[0] + [parts[1]], parts[2])
+    rewrite_kernels(plan, stages)
 
 
 def kmajor_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:

@@ -41,7 +41,7 @@ import os
 
 from ..errors import Unschedulable
 from ..schema import ops
-from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, substitute
+from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, rewrite_kernels, substitute
 from . import kernel as kgen
 from . import tma
 
@@ -66,16 +66,11 @@ def split_reductions(plan: Plan) -> None:
     sees the kernels the module launches. Running it again changes nothing."""
     if not enabled():
         return
-    steps = []
-    for step in plan.steps:
-        parts = split_kernel(step, plan.buffers) if isinstance(step, KernelSpec) else None
-        if parts is None:
-            steps.append(step)
-            continue
-        first, second, partials = parts
-        plan.buffers.update({b.name: b for b in partials})
-        steps += [first, second]
-    plan.steps[:] = steps
+
+    def stages(kernel, buffers):
+        parts = split_kernel(kernel, buffers)
+        return parts and ([parts[0], parts[1]], parts[2])
+    rewrite_kernels(plan, stages)
 
 
 def split_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:

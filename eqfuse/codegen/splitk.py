@@ -56,7 +56,7 @@ import os
 from ..errors import Unschedulable
 from ..rewrite.cost import device_model
 from ..schema import ops
-from ..schema.plan import Buffer, KernelSpec, Plan, PNode, substitute
+from ..schema.plan import Buffer, KernelSpec, Plan, PNode, rewrite_kernels, substitute
 from . import kernel as kgen
 from . import tiles, tma
 
@@ -82,16 +82,11 @@ def split_matmuls(plan: Plan) -> None:
     again changes nothing (stage 1 is batched, stage 2 a reduction)."""
     if not enabled():
         return
-    steps = []
-    for step in plan.steps:
-        parts = split_kernel(step, plan.buffers) if isinstance(step, KernelSpec) else None
-        if parts is None:
-            steps.append(step)
-            continue
-        first, second, partials = parts
-        plan.buffers[partials.name] = partials
-        steps += [first, second]
-    plan.steps[:] = steps
+
+    def stages(kernel, buffers):
+        parts = split_kernel(kernel, buffers)
+        return parts and ([parts[0], parts[1]], [parts[2]])
+    rewrite_kernels(plan, stages)
 
 
 def split_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:

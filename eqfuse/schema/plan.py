@@ -157,3 +157,19 @@ def substitute(node: PNode, new: dict) -> PNode:
                 PNode(n.op, n.attrs, args, n.shape, n.dtype, n.eclass)
         return memo[id(n)]
     return go(node)
+
+
+def rewrite_kernels(plan: Plan, rewrite) -> None:
+    """In place: each kernel of ``plan`` that ``rewrite(kernel, plan.buffers)`` turns into
+    ``(kernels, new buffers)`` replaced by those kernels, the buffers added (a stage pass:
+    split reductions, split-K, K-major copies); a kernel it returns None for kept."""
+    steps = []
+    for step in plan.steps:
+        parts = rewrite(step, plan.buffers) if isinstance(step, KernelSpec) else None
+        if parts is None:
+            steps.append(step)
+            continue
+        kernels, buffers = parts
+        plan.buffers.update({b.name: b for b in buffers})
+        steps += kernels
+    plan.steps[:] = steps
