@@ -187,6 +187,24 @@ def test_fp32_precision_follows_allow_tf32():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def test_turning_tf32_off_after_compiling_compiles_again():
+    """A graph compiled with TF32 allowed, called after the user turned it off, runs a
+    variant compiled for IEEE float32, not the TF32 kernels."""
+    a, b = torch.randn(20, 30, device=DEVICE), torch.randn(30, 12, device=DEVICE)
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        compiled = eqfuse.compile(torch.matmul, (a, b))
+        assert 'input_precision="tf32"' in compiled.source
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert_matches(compiled(a, b), a @ b, contraction=True)
+        sources = [v.source for v in compiled._variants.values()]
+        assert len(sources) == 2 and any('input_precision="ieee"' in src for src in sources)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+
 @pytest.mark.parametrize("dtype,reason", [
     pytest.param(torch.int32, "matmul of int32",
                  marks=pytest.mark.skipif(DEVICE == "cuda", reason="CUDA has no integer matmul to compare with")),

@@ -54,8 +54,11 @@ class Options:
 
 def _signature(tensors) -> tuple:
     """What a compiled variant is specialised to; computed on every call, so kept cheap
-    (a plain loop: a comprehension costs a frame)."""
-    sig = []
+    (a plain loop: a comprehension costs a frame). With the inputs, whether float32
+    products may use TF32 (``torch.backends.cuda.matmul.allow_tf32``, read through its
+    80 ns getter): a graph compiled with it on computes in TF32, so turning it off
+    compiles again rather than keeping the rounding the user turned off."""
+    sig = [torch._C._get_cublas_allow_tf32()]
     for t in tensors:
         sig.append((t.shape, t.dtype, t.stride(), t.device))
     return tuple(sig)
