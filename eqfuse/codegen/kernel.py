@@ -230,12 +230,14 @@ def shared_reads(dots: list, dtype: str) -> tuple | None:
         shapes = {_read_layout(d.args[i], dtype) for d in dots}
         if len(shapes) != 1 or None in shapes:
             return None
-        parts = [_base_read(d.args[i]).attrs for d in dots]
+        parts = [base_read(d.args[i]).attrs for d in dots]
         sides.append(([(buf, offset) for buf, _, offset in parts], _reread(dots[0].args[i], name)))
     return tuple(sides)
 
 
-def _base_read(node: PNode) -> PNode:
+def base_read(node: PNode) -> PNode:
+    """What is under an operand's index maps (broadcast, reshape, permute): a load where
+    the operand is a plain read."""
     while node.op in ("broadcast", "reshape", "permute"):
         node = node.args[0]
     return node

@@ -56,12 +56,11 @@ sizes and the model say.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import replace
 
 from ..errors import Unschedulable
-from ..rewrite.cost import Device, device_model
+from ..rewrite.cost import Device, device_model, load_footprint
 from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, rewrite_kernels, substitute
 from . import access, tiles
 from . import kernel as kgen
@@ -133,21 +132,13 @@ def n_major(node: PNode, sched: kgen.Schedule) -> bool:
     layouts are one."""
     if sched.k < 2 or sched.n < 2:
         return False
-    base = node
-    while base.op in ("broadcast", "reshape", "permute"):
-        base = base.args[0]
-    if base.op != "load" or base.dtype != "float32" or distinct_elements(base) != node.numel:
+    base = kgen.base_read(node)
+    if base.op != "load" or base.dtype != "float32" or load_footprint(base) != node.numel:
         return False
     ((load, env),) = access.loads_at(node, kgen.matmul_envs(sched)[2])
     point = {"bindex": 0, "kindex_b": max(0, sched.k // 2 - 1), "nindex": max(0, sched.n // 2 - 1)}
     along_n = access.address_step(load, env, "nindex", point)
     return along_n == 1 and access.address_step(load, env, "kindex_b", point) != 1
-
-
-def distinct_elements(load: PNode) -> int:
-    """Elements a load reads, a dim of stride 0 counted once."""
-    _, strides, _ = load.attrs
-    return math.prod(size for size, stride in zip(load.shape, strides) if stride != 0)
 
 
 def build(spec: KernelSpec, rights: list, buffers: dict) -> tuple:

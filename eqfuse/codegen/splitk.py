@@ -50,7 +50,6 @@ only summed), integer products, kernels with a grid already full or a short K.
 
 from __future__ import annotations
 
-import math
 import os
 
 from ..errors import Unschedulable
@@ -129,8 +128,7 @@ def single_product(spec: KernelSpec, sched: kgen.Schedule) -> PNode | None:
 
 def output_tiles(sched: kgen.Schedule) -> int:
     """Output tiles of the tile model's first choice (of every matrix of a batch)."""
-    cfg = kgen.default_config(sched)
-    return math.ceil(sched.m / cfg["BLOCK_M"]) * math.ceil(sched.n / cfg["BLOCK_N"]) * math.prod(sched.batch)
+    return tiles.output_tiles(sched, kgen.default_config(sched))
 
 
 def choose_chunks(spec: KernelSpec, dot: PNode, sched: kgen.Schedule) -> int:
