@@ -13,8 +13,11 @@ forward only (no_grad) and forward + backward. Reported per contender: the media
 of a call (triton.testing.do_bench, interleaved rounds), compile seconds cold (the first
 call, caches empty) and warm (compiled again after torch._dynamo.reset), and for eqfuse
 the kernels and eager steps of the graphs it compiled, its compile seconds per stage (cold
-and warm) and what parallel kernel compilation did. eqfuse compiles with autotune off
-(the tile model's first choice) to keep compile time bounded, unless ``--autotune``. ``EQFUSE_PARALLEL_COMPILE=0``
+and warm) and what parallel kernel compilation did; per contender, the memory allocated before a
+call and the peak during it (torch.cuda.max_memory_allocated, weights and gradients
+included).
+eqfuse compiles with autotune off (the tile model's first choice) to keep compile time
+bounded, unless ``--autotune``. ``EQFUSE_PARALLEL_COMPILE=0``
 compiles its kernels one after another at their first launch instead (recorded in the
 results file).
 """
@@ -56,7 +59,9 @@ MODELS = {
 
 
 # contender -> torch.compile's keywords
-CONTENDERS = {"torch.compile": {}, "eqfuse": {"backend": "eqfuse", "options": {"autotune": False}}}
+CONTENDERS = {"torch.compile": {}, "eqfuse": {"backend": "eqfuse", "options": {"autotune": False}},
+              # not run unless named: the forward saving every value its backward reads
+              "eqfuse-save-all": {"backend": "eqfuse", "options": {"autotune": False, "recompute": False}}}
 
 
 def step(model, training: bool):
@@ -84,6 +89,17 @@ def first_call(fn, inputs) -> tuple[float, torch.Tensor]:
     out = fn(*inputs)
     torch.cuda.synchronize()
     return time.perf_counter() - t0, out.detach().float()
+
+
+def memory_mib(fn, inputs) -> dict:
+    """MiB allocated before a call (weights, gradients, inputs, whatever the process holds)
+    and the most allocated during it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn(*inputs)
+    torch.cuda.synchronize()
+    return {"resident_mib": round(before / 2**20, 1), "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
 
 
 def _stage_seconds(graphs) -> dict:
@@ -125,13 +141,15 @@ def measure(name: str, training: bool, contenders=CONTENDERS, timing: bool = Tru
         err = (out - ref).abs().max().item()
         entry = {"compile_s_cold": round(seconds[0], 1), "compile_s_warm": round(seconds[1], 1),
                  "max_abs_err_vs_eager": round(err, 4)}
-        if contender == "eqfuse":
+        if contender.startswith("eqfuse"):
             graphs = list(eqfuse.backend.history)
             entry.update(graphs=len(graphs), kernels=sum(len(g.kernels) for g in graphs),
                          eager_steps=[str(f) for g in graphs for f in g.fallbacks],
                          cold_compile_stages_s=stages[0], warm_compile_stages_s=stages[1],
                          parallel_compile_cold=pools[0], parallel_compile_warm=pools[1])
         row[contender] = entry
+    for n, f in fns.items():
+        row.setdefault(n, {}).update(memory_mib(f, inputs))
     if not timing:
         return row
     times = bench_interleaved({n: (lambda f=f: f(*inputs)) for n, f in fns.items()})
@@ -145,12 +163,13 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--modes", nargs="+", choices=["forward", "forward+backward"],
                    default=["forward", "forward+backward"])
-    p.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
+    p.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=["torch.compile", "eqfuse"])
     p.add_argument("--no-timing", action="store_true", help="compile seconds only, no call timing")
     p.add_argument("--autotune", action="store_true", help="eqfuse times its tile candidates (compile time unbounded)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    CONTENDERS["eqfuse"]["options"]["autotune"] = a.autotune
+    for name in ("eqfuse", "eqfuse-save-all"):
+        CONTENDERS[name]["options"]["autotune"] = a.autotune
     rows = []
     for name in a.models:
         for mode in a.modes:

@@ -50,10 +50,19 @@ def _compiler(options: dict):
 
 
 def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **_: Any):
-    """The dynamo backend. ``options`` are ``eqfuse.compile`` options."""
+    """The dynamo backend. ``options`` are ``eqfuse.compile`` options, and ``recompute``
+    (default True): the backward recomputes cheap forward values instead of the forward
+    saving them (AOTAutograd's min-cut partitioner, as Inductor uses); False saves every
+    value the backward reads."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     options = dict(options or {})
+    # The forward and backward graphs are cut where the fewest bytes cross: a GPT-2
+    # block's training step peaked at 971-983 MiB saving everything, against eager's 715
+    # (H100, benchmarks/models.py); the recomputed pointwise work fuses into the
+    # backward's kernels.
+    partition = min_cut_rematerialization_partition if options.pop("recompute", True) else default_partition
     # Training graphs hand their activations on to the backward: CUDA graphs would only
     # double their memory (a recording whose outputs are held is not replayed), so they
     # are on for inference graphs unless asked for.
@@ -63,7 +72,8 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # validation checks the result against the graph as AOTAutograd gave it. (With torch
     # 2.13's core decompositions here, AOTAutograd's own backward of a GPT-2 block on the
     # CPU was wrong, compilers aside.)
-    backend = aot_autograd(fw_compiler=training, bw_compiler=training, inference_compiler=compiler)
+    backend = aot_autograd(fw_compiler=training, bw_compiler=training, inference_compiler=compiler,
+                           partition_fn=partition)
     return backend(gm, example_inputs)
 
 

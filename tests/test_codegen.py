@@ -1,5 +1,7 @@
 """Code generation details: int64 offsets, masks, constexprs, readability."""
 
+import re
+
 import pytest
 import torch
 from conftest import assert_matches
@@ -151,3 +153,27 @@ def test_a_concatenation_along_the_rows_iterates_over_row_tiles():
     assert_matches(compiled(a, b, c), join(a, b, c))
     (kernel,) = compiled.kernels
     assert kernel.schedule.kind == "pointwise" and kernel.schedule.inner == 72, kernel.schedule
+
+
+def test_intermediate_buffers_are_let_go_of_after_their_last_use():
+    # Three products in a chain: each intermediate is dead once the next product has read
+    # it, and the module drops it there (the caching allocator then reuses its memory);
+    # the returned buffer is never dropped.
+    def chain(x, w):
+        h1 = torch.relu(x @ w)
+        h2 = torch.relu(h1 @ w)
+        return (h2 @ w).sum(-1), h1.amax(-1)
+
+    x, w = torch.randn(33, 24), torch.randn(24, 24)
+    c = eqfuse.compile(chain, (x, w))
+    assert_matches(c(x, w), chain(x, w))
+    body = c.source.split("def call(")[1]
+    lines = [line.strip() for line in body.splitlines()]
+    dels = [line for line in lines if line.startswith("del ")]
+    assert dels, body
+    returned = lines[-1].removeprefix("return [").removesuffix("]").split(", ")
+    freed = {name for line in dels for name in line.removeprefix("del ").split(", ")}
+    assert not freed & set(returned)
+    for name in freed:  # nothing reads a buffer after it is dropped
+        after = lines[next(i for i, line in enumerate(lines) if line.startswith("del ") and name in line) + 1:]
+        assert not any(re.search(rf"\b{name}\b", line) for line in after), name

@@ -97,7 +97,10 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
     body = []
     allocated = set(args)
     fallback_index = 0
-    for step in plan.steps:
+    freed_after = _last_uses(plan, by_name, kept=set(args) | _returned(plan))
+    for index, step in enumerate(plan.steps):
+        if index in freed_after:  # after the previous step: the caching allocator reuses their memory
+            body.append(f"del {', '.join(freed_after[index])}")
         if isinstance(step, KernelSpec):
             info = by_name[step.name]
             for _, buf in step.roots:
@@ -137,6 +140,39 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
     parts += ["    " + line for line in body]
     parts.append(f"    return [{', '.join(rets)}]")
     return "\n".join(parts) + "\n", infos
+
+
+def _step_buffers(step, by_name: dict) -> set:
+    """The buffers a step of the plan reads or writes."""
+    if isinstance(step, KernelSpec):
+        return set(by_name[step.name].params) | {buf for _, buf in step.roots}
+    return _referenced(step) | set(step.outputs)
+
+
+def _returned(plan) -> set:
+    """The buffers the graph's outputs are, or are views of."""
+    names = set()
+    for kind, value in plan.outputs:
+        if kind in ("buffer", "opaque"):
+            names.add(value)
+        elif kind == "view":
+            names.add(value.buf)
+    return names
+
+
+def _last_uses(plan, by_name: dict, kept: set) -> dict:
+    """step index -> the intermediate buffers to let go of before that step: those the
+    previous step was the last to use. Without this, every intermediate lived until the
+    graph returned (a Llama layer's backward peaked 5.7 GB above torch.compile's)."""
+    last: dict = {}
+    for index, step in enumerate(plan.steps):
+        for buf in _step_buffers(step, by_name):
+            last[buf] = index
+    freed: dict = {}
+    for buf, index in last.items():
+        if buf not in kept:
+            freed.setdefault(index + 1, []).append(buf)
+    return {i: sorted(bufs) for i, bufs in freed.items() if i < len(plan.steps)}
 
 
 def _referenced(step: FallbackStep) -> set:
