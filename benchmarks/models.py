@@ -60,8 +60,8 @@ MODELS = {
 
 # contender -> torch.compile's keywords
 CONTENDERS = {"torch.compile": {}, "eqfuse": {"backend": "eqfuse", "options": {"autotune": False}},
-              # not run unless named: the forward saving every value its backward reads
-              "eqfuse-save-all": {"backend": "eqfuse", "options": {"autotune": False, "recompute": False}}}
+              # not run unless named: the backward recomputing cheap forward values (min-cut)
+              "eqfuse-recompute": {"backend": "eqfuse", "options": {"autotune": False, "recompute": True}}}
 
 
 def step(model, training: bool):
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--autotune", action="store_true", help="eqfuse times its tile candidates (compile time unbounded)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    for name in ("eqfuse", "eqfuse-save-all"):
+    for name in ("eqfuse", "eqfuse-recompute"):
         CONTENDERS[name]["options"]["autotune"] = a.autotune
     rows = []
     for name in a.models:

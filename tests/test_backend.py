@@ -65,6 +65,31 @@ def test_options_reach_eqfuse():
     assert "e-node limit" in eqfuse.backend.history[-1].report["saturation"]["stop_reason"]
 
 
+def test_recompute_saves_fewer_values_with_the_same_gradients():
+    """options={"recompute": True}: AOTAutograd's min-cut partitioner has the backward
+    recompute the pointwise values it needs (here gelu and sigmoid of x @ w1) from fewer
+    saved ones; the gradients are eager's either way."""
+    torch.manual_seed(0)
+
+    def f(x, w1, w2):
+        h = x @ w1
+        return (torch.nn.functional.gelu(h) * torch.sigmoid(h)) @ w2
+
+    inputs = (torch.randn(12, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True),
+              torch.randn(32, 8, requires_grad=True))
+    ref_out, ref_grads = _input_grads(f, inputs)
+    saved = {}
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        eqfuse.backend.history.clear()
+        out, grads = _input_grads(torch.compile(f, backend="eqfuse", options={"recompute": recompute}), inputs)
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+        saved[recompute] = len(eqfuse.backend.history[0].plan.outputs)
+    assert saved[True] < saved[False], saved
+
+
 def test_backward_of_split_chunk_and_slices_has_no_eager_step():
     """The backward of split / chunk / slicing (rotary embeddings, fused qkv projections) is
     slice_scatter into zeros: it compiles to kernels, and the gradients match eager."""
