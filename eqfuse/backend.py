@@ -24,8 +24,6 @@ history: deque = deque(maxlen=32)
 
 
 def _compiler(options: dict):
-    from functorch.compile import make_boxed_func
-
     from . import compile as eqfuse_compile
     from .errors import EqfuseError
 
@@ -42,10 +40,13 @@ def _compiler(options: dict):
         for fb in compiled.fallbacks:
             log.info("eqfuse: eager: %s", fb)
 
-        def run(*args):
-            out = compiled(*args)
+        # Boxed (AOTAutograd's convention): the argument list is ours to empty, so that a
+        # backward lets go of each saved activation after its last use
+        def run(args: list):
+            out = compiled.call_boxed(args)
             return out if isinstance(out, (tuple, list)) else (out,)
-        return make_boxed_func(run)
+        run._boxed_call = True
+        return run
     return compile_graph
 
 

@@ -162,7 +162,7 @@ def _finish(result: dict, plan, source: str, infos: list, captured, example_inpu
         _compile_kernels(module, infos, plan, list(example_inputs) + list(captured.constants),
                          parallel, tuning, result["report"])
     result.update(
-        kernels=infos, source=source, plan=plan, module=module, launch=module.call,
+        kernels=infos, source=source, plan=plan, module=module, launch=module.call_boxed,
         fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
         fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks],
     )

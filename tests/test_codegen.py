@@ -167,13 +167,32 @@ def test_intermediate_buffers_are_let_go_of_after_their_last_use():
     x, w = torch.randn(33, 24), torch.randn(24, 24)
     c = eqfuse.compile(chain, (x, w))
     assert_matches(c(x, w), chain(x, w))
-    body = c.source.split("def call(")[1]
+    body = c.source.split("def call_boxed(")[1]
     lines = [line.strip() for line in body.splitlines()]
     dels = [line for line in lines if line.startswith("del ")]
     assert dels, body
     returned = lines[-1].removeprefix("return [").removesuffix("]").split(", ")
     freed = {name for line in dels for name in line.removeprefix("del ").split(", ")}
     assert not freed & set(returned)
+    assert {"in0", "in1"} <= freed  # the inputs too: call_boxed holds the only references it was handed
     for name in freed:  # nothing reads a buffer after it is dropped
         after = lines[next(i for i, line in enumerate(lines) if line.startswith("del ") and name in line) + 1:]
         assert not any(re.search(rf"\b{name}\b", line) for line in after), name
+
+
+def test_call_boxed_empties_its_list_and_lets_go_of_the_inputs():
+    import gc
+    import weakref
+
+    def f(x, w):
+        return torch.relu(x @ w).sum(-1)
+
+    x, w = torch.randn(33, 24), torch.randn(24, 24)
+    c = eqfuse.compile(f, (x, w))
+    ref = f(x, w)
+    args = [x.clone(), w]
+    gone = weakref.ref(args[0])
+    out = c.call_boxed(args)
+    gc.collect()
+    assert args == [] and gone() is None  # the graph held the only reference to x's copy
+    assert_matches(out, ref)

@@ -109,15 +109,24 @@ class CompiledGraph:
         return inspect_graph(self, directory, arch)
 
     def __call__(self, *inputs):
-        sig = _signature(inputs)
-        variant = self._variants.get(sig)
-        if variant is None:
-            try:
-                variant = self._variant(inputs)
-            except EqfuseError as e:  # inputs this graph cannot take: run them in eager
-                log.warning("eqfuse: these inputs run in eager: %s", e)
-                self._variants[sig] = variant = _EagerVariant(self.fn)
+        variant = self._variants.get(_signature(inputs)) or self._new_variant(inputs)
         return variant.run(*inputs)
+
+    def call_boxed(self, args: list):
+        """``self(*args)`` for a list, which it empties: each input is let go of after its
+        last use, where the caller holds no other reference to it (AOTAutograd hands a
+        backward its saved activations so). Dynamo's backend calls graphs this way."""
+        variant = self._variants.get(_signature(args)) or self._new_variant(tuple(args))
+        return variant.run_boxed(args)
+
+    def _new_variant(self, inputs: tuple):
+        """Compiled for inputs of a signature not seen yet, or eager where they cannot be."""
+        try:
+            return self._variant(inputs)
+        except EqfuseError as e:  # inputs this graph cannot take: run them in eager
+            log.warning("eqfuse: these inputs run in eager: %s", e)
+            self._variants[_signature(inputs)] = variant = _EagerVariant(self.fn)
+            return variant
 
     def _variant(self, inputs) -> _Variant:
         for i, x in enumerate(inputs):
@@ -136,6 +145,16 @@ class CompiledGraph:
 class _EagerVariant:
     def __init__(self, fn: Callable):
         self.run = fn
+        self.run_boxed = _boxed(fn)
+
+
+def _boxed(fn: Callable) -> Callable:
+    """``fn(*args)`` for a list ``args``, emptied before the call as a boxed caller expects."""
+    def run_boxed(args: list):
+        inputs = tuple(args)
+        args.clear()
+        return fn(*inputs)
+    return run_boxed
 
 
 @dataclass
@@ -167,30 +186,33 @@ class _Variant:
         self.graphs = None
         if self.whole_graph_eager:
             self.run = self.fn
+            self.run_boxed = _boxed(self.fn)
             return
         self.graphs = self._graph_replayer()
         self.run = self._runner()
 
     def _runner(self) -> Callable:
         """The per-call path, closed over what it needs: it runs on every call, so it does
-        without attribute lookups and layers where it can."""
-        call, device, fallbacks, constants = self.launch, self.device, self.fallback_runners, tuple(self.constants)
+        without attribute lookups and layers where it can. Sets ``run_boxed`` too."""
+        call, device, fallbacks, constants = self.launch, self.device, self.fallback_runners, list(self.constants)
         graphs, leaf = self.graphs, self.out_spec.is_leaf()
-        if graphs is not None:
-            flat = graphs
-        elif leaf:
-            return lambda *inputs: call(device, fallbacks, *inputs, *constants)[0]
-        else:
-            def flat(inputs):
-                return call(device, fallbacks, *inputs, *constants)
+        finish = (lambda flat: flat[0]) if leaf else _unflattener(self.out_spec)
+        if graphs is not None:  # a replay needs the inputs' addresses: nothing to let go of early
+            run = (lambda *inputs: graphs(inputs)[0]) if leaf else (lambda *inputs: finish(graphs(inputs)))
+            self.run_boxed = _boxed(run)
+            return run
+
+        def run_boxed(args: list):
+            args += constants
+            return finish(call(device, fallbacks, args))
+        self.run_boxed = run_boxed
         if leaf:
-            return lambda *inputs: flat(inputs)[0]
-        unflatten = _unflattener(self.out_spec)
-        return lambda *inputs: unflatten(flat(inputs))
+            return lambda *inputs: call(device, fallbacks, [*inputs, *constants])[0]
+        return lambda *inputs: finish(call(device, fallbacks, [*inputs, *constants]))
 
     def run_kernels(self, *inputs) -> list:
         """Launch the kernels (and eager steps) one by one; the flat outputs."""
-        return self.launch(self.device, self.fallback_runners, *inputs, *self.constants)
+        return self.launch(self.device, self.fallback_runners, [*inputs, *self.constants])
 
     def _graph_replayer(self):
         from .graphs import GraphReplayer
