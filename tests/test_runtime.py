@@ -155,3 +155,17 @@ def test_graph_compiled_on_another_thread_is_freed_cleanly(monkeypatch):
     assert compiled and compiled[0].kernels
     gc.collect()
     assert not unraisable, [str(u.exc_value) for u in unraisable]
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("Off", False), (" no ", False),
+                                       ("1", True), ("yes", True), ("", True)])
+def test_every_switch_reads_its_variable_alike(monkeypatch, value, on):
+    from eqfuse.codegen import kmajor, split, splitk
+    from eqfuse.runtime import parallel_compile, plan_cache
+
+    switches = {"EQFUSE_SPLIT_K": splitk.enabled, "EQFUSE_SPLIT_REDUCTIONS": split.enabled,
+                "EQFUSE_KMAJOR": kmajor.enabled, "EQFUSE_PLAN_CACHE": plan_cache.enabled,
+                "EQFUSE_PARALLEL_COMPILE": parallel_compile.enabled}
+    for env, enabled in switches.items():
+        monkeypatch.setenv(env, value)
+        assert enabled() is on, env

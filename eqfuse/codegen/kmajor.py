@@ -56,11 +56,11 @@ sizes and the model say.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 from ..errors import Unschedulable
 from ..rewrite.cost import Device, device_model, load_footprint
+from ..runtime.cache import switched_on
 from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, rewrite_kernels, substitute
 from . import access, tiles
 from . import kernel as kgen
@@ -74,8 +74,8 @@ FORCE = False  # tests: copy every operand that qualifies, whatever the sizes an
 
 
 def enabled() -> bool:
-    """Unless ``EQFUSE_KMAJOR=0`` (a plan cache key holds this too)."""
-    return os.environ.get(ENV, "1") != "0"
+    """Unless ``EQFUSE_KMAJOR`` says 0, false, off or no (a plan cache key holds this too)."""
+    return switched_on(ENV)
 
 
 def tf32_allowed() -> bool:

@@ -37,9 +37,8 @@ thresholds below to split small reductions on the CPU interpreter.
 
 from __future__ import annotations
 
-import os
-
 from ..errors import Unschedulable
+from ..runtime.cache import switched_on
 from ..schema import ops
 from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, rewrite_kernels, substitute
 from . import kernel as kgen
@@ -55,8 +54,8 @@ ENV = "EQFUSE_SPLIT_REDUCTIONS"
 
 
 def enabled() -> bool:
-    """Unless ``EQFUSE_SPLIT_REDUCTIONS=0`` (a plan cache key holds this too)."""
-    return os.environ.get(ENV, "1") != "0"
+    """Unless ``EQFUSE_SPLIT_REDUCTIONS`` says 0, false, off or no (a plan cache key holds this too)."""
+    return switched_on(ENV)
 
 
 def split_reductions(plan: Plan) -> None:

@@ -50,10 +50,9 @@ only summed), integer products, kernels with a grid already full or a short K.
 
 from __future__ import annotations
 
-import os
-
 from ..errors import Unschedulable
 from ..rewrite.cost import device_model
+from ..runtime.cache import switched_on
 from ..schema import ops
 from ..schema.plan import Buffer, KernelSpec, Plan, PNode, rewrite_kernels, substitute
 from . import kernel as kgen
@@ -71,8 +70,8 @@ ENV = "EQFUSE_SPLIT_K"
 
 
 def enabled() -> bool:
-    """Unless ``EQFUSE_SPLIT_K=0`` (a plan cache key holds this too)."""
-    return os.environ.get(ENV, "1") != "0"
+    """Unless ``EQFUSE_SPLIT_K`` says 0, false, off or no (a plan cache key holds this too)."""
+    return switched_on(ENV)
 
 
 def split_matmuls(plan: Plan) -> None:

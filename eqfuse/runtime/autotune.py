@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 from ..codegen import kernel as kgen
 from ..codegen.module import generate_module
 from ..errors import EqfuseError
-from .cache import cache_dir, cache_key, load_module, write_atomic
+from .cache import cache_dir, cache_key, load_module, switched_on, write_atomic
 
 log = logging.getLogger("eqfuse")
 
@@ -93,7 +92,7 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
     ``parallel``: the candidates are compiled in parallel_compile's pool before their first
     launch; ``stats`` (a dict) gets the seconds spent compiling and launching candidates
     and the pool's outcome."""
-    measure = measure and os.environ.get("EQFUSE_AUTOTUNE", "1") != "0"
+    measure = switched_on("EQFUSE_AUTOTUNE", measure)
     device = torch.cuda.get_device_name()
     store = _load_store()
     chosen: dict = {}

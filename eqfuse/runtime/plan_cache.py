@@ -113,7 +113,7 @@ def _device_parts(device: torch.device) -> tuple:
              split.enabled(), splitk.enabled(), kmajor.enabled()]
     if device.type == "cuda":
         parts += [torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
-                  tma.sm_count(), tma.device_supports(), os.environ.get("EQFUSE_AUTOTUNE", "1") != "0"]
+                  tma.sm_count(), tma.device_supports(), switched_on("EQFUSE_AUTOTUNE")]
     parts.append(sorted(asdict(device_model()).items()))  # the cost model's figures (calibration)
     return tuple(parts)
 
