@@ -3,9 +3,14 @@
 Registered through the ``torch_dynamo_backends`` entry point, so installing eqfuse is
 enough. AOTAutograd splits each captured graph into a forward and, when gradients are
 needed, a backward graph of ATen ops, decomposed with eqfuse's table; eqfuse compiles
-both. A graph eqfuse cannot compile (or one with dynamic shapes, not supported yet) runs
-as AOTAutograd traced it, with a one-line warning: the user's program never fails
-because of the compiler.
+both. A graph eqfuse cannot compile runs as AOTAutograd traced it, with a one-line
+warning: the user's program never fails because of the compiler.
+
+Sizes are compile-time constants in eqfuse's kernels. A graph dynamo hands over with
+symbolic sizes (``dynamic=True``, or its second shape under automatic dynamic shapes)
+is compiled for each set of sizes it is called with, up to MAX_SHAPES of them; past
+that, and where its outputs hold sizes (a training forward saving them for its
+backward), it runs as traced.
 """
 
 from __future__ import annotations
@@ -22,32 +27,104 @@ log = logging.getLogger("eqfuse")
 # ``eqfuse.backend.history[-1].explain()`` tells what became of the last one.
 history: deque = deque(maxlen=32)
 
+MAX_SHAPES = 8  # sets of sizes a graph with symbolic sizes is compiled for; later ones run as traced
+
 
 def _compiler(options: dict):
     from . import compile as eqfuse_compile
     from .errors import EqfuseError
 
-    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
-        if not all(isinstance(x, torch.Tensor) for x in example_inputs):
-            log.warning("eqfuse: graph with symbolic sizes runs uncompiled (dynamic shapes are not supported yet)")
-            return gm
+    def compile_fn(fn, example_inputs):
+        """eqfuse's compiled graph, or None (with the reason logged) where it cannot be."""
         try:
-            compiled = eqfuse_compile(gm, example_inputs, **options)
+            compiled = eqfuse_compile(fn, example_inputs, **options)
         except EqfuseError as e:
             log.warning("eqfuse: graph runs uncompiled: %s", e)
-            return gm
+            return None
         history.append(compiled)
         for fb in compiled.fallbacks:
             log.info("eqfuse: eager: %s", fb)
+        return compiled
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        if _symbolic(example_inputs):
+            if _sizes_out(gm):
+                log.warning("eqfuse: graph with symbolic sizes among its outputs runs uncompiled")
+                return gm
+            runner = _PerShape(gm, compile_fn)
+        else:
+            compiled = compile_fn(gm, example_inputs)
+            if compiled is None:
+                return gm
+            runner = compiled.call_boxed
 
         # Boxed (AOTAutograd's convention): the argument list is ours to empty, so that a
         # backward lets go of each saved activation after its last use
         def run(args: list):
-            out = compiled.call_boxed(args)
+            out = runner(args)
             return out if isinstance(out, (tuple, list)) else (out,)
         run._boxed_call = True
         return run
     return compile_graph
+
+
+def _symbolic(example_inputs) -> bool:
+    """Whether dynamo traced the graph with symbolic sizes (SymInt inputs, or tensors shaped by them)."""
+    return any(not isinstance(x, torch.Tensor) or any(isinstance(d, torch.SymInt) for d in x.shape)
+               for x in example_inputs)
+
+
+def _sizes_out(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph returns sizes (not only tensors)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    vals = [getattr(n, "meta", {}).get("val") for n in (out if isinstance(out, (tuple, list)) else [out])]
+    return any(v is not None and not isinstance(v, torch.Tensor) for v in vals)
+
+
+class _PerShape:
+    """A graph with symbolic sizes, compiled for the sizes of each call: its size
+    arguments bound as constants, one compiled graph per set of sizes and tensor
+    signature, MAX_SHAPES at most; other calls run the graph as traced."""
+
+    def __init__(self, gm: torch.fx.GraphModule, compile_fn):
+        self.gm = gm
+        self.compile_fn = compile_fn
+        self.compiled: dict = {}  # (size arguments, tensor signature) -> compiled graph or None
+        self.warned = False
+
+    def __call__(self, args: list):
+        from .runtime.compiled import _signature
+
+        sizes = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        key = (sizes, _signature(tensors))
+        compiled = self.compiled.get(key, False)
+        if compiled is False:
+            compiled = self._compile(key, sizes, tensors)
+        if compiled is None:
+            inputs = tuple(args)
+            args.clear()
+            return self.gm(*inputs)
+        args.clear()
+        return compiled.call_boxed(tensors)
+
+    def _compile(self, key, sizes, tensors):
+        if len(self.compiled) >= MAX_SHAPES:
+            if not self.warned:
+                log.warning("eqfuse: graph with symbolic sizes met more than %d shapes: new ones run uncompiled",
+                            MAX_SHAPES)
+                self.warned = True
+            return None
+        gm = self.gm
+
+        def with_sizes(*tensors):
+            args = list(tensors)
+            for i, a in sizes:  # in increasing position: each lands where it was
+                args.insert(i, a)
+            return gm(*args)
+        with_sizes.__name__ = getattr(gm, "__name__", type(gm).__name__)
+        self.compiled[key] = compiled = self.compile_fn(with_sizes, tensors)
+        return compiled
 
 
 def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **_: Any):

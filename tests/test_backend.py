@@ -147,3 +147,69 @@ def test_plain_attention_keeps_the_fused_ops_layout():
     assert out.stride() == strides
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     out.transpose(1, 2).view(2, 8, 12)  # a view only that layout allows
+
+
+def _relu_softmax(x, w):
+    return torch.relu(x @ w).softmax(-1) * 2
+
+
+def test_symbolic_sizes_compile_for_each_shape():
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    w = torch.randn(16, 16)
+    g = torch.compile(_relu_softmax, backend="eqfuse", dynamic=True)
+    for n in (5, 7, 9):
+        x = torch.randn(n, 16)
+        torch.testing.assert_close(g(x, w), _relu_softmax(x, w))
+    assert len(eqfuse.backend.history) == 3
+    assert all(h.kernels for h in eqfuse.backend.history)
+
+
+def test_a_second_shape_stays_compiled_under_automatic_dynamic_shapes():
+    # dynamo recompiles the graph with symbolic sizes at the second shape it meets
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    w = torch.randn(16, 16)
+    g = torch.compile(_relu_softmax, backend="eqfuse")
+    for n in (5, 7, 9, 7):
+        x = torch.randn(n, 16)
+        torch.testing.assert_close(g(x, w), _relu_softmax(x, w))
+    assert [bool(h.kernels) for h in eqfuse.backend.history] == [True, True, True]
+
+
+def test_shapes_past_the_limit_run_as_traced(monkeypatch, caplog):
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    monkeypatch.setattr(eqfuse.backend, "MAX_SHAPES", 1)
+    w = torch.randn(16, 16)
+    g = torch.compile(_relu_softmax, backend="eqfuse", dynamic=True)
+    with caplog.at_level("WARNING", logger="eqfuse"):
+        for n in (5, 7):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(g(x, w), _relu_softmax(x, w))
+    assert len(eqfuse.backend.history) == 1
+    assert "met more than 1 shapes: new ones run uncompiled" in caplog.text
+
+
+def test_training_with_symbolic_sizes_matches_eager(caplog):
+    # The forward returns sizes for the backward: it runs as traced; the backward compiles
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def f(x, w):  # gradients not all zero (a softmax's sum would give them so)
+        return torch.relu(x @ w) * torch.sigmoid(x).sum(-1, keepdim=True)
+
+    g = torch.compile(f, backend="eqfuse", dynamic=True)
+    with caplog.at_level("WARNING", logger="eqfuse"):
+        for n in (5, 7):
+            x = torch.randn(n, 16, requires_grad=True)
+            out, grads = _input_grads(g, (x, w))
+            ref, ref_grads = _input_grads(f, (x, w))
+            assert all(r.abs().max() > 0.1 for r in ref_grads)
+            torch.testing.assert_close(out, ref)
+            for a, b in zip(grads, ref_grads):
+                torch.testing.assert_close(a, b)
+    assert "symbolic sizes among its outputs runs uncompiled" in caplog.text
+    assert len(eqfuse.backend.history) == 2 and all(h.kernels for h in eqfuse.backend.history)
