@@ -660,11 +660,14 @@ class KernelWriter:
         expr = v.expr
         kaxis = next(a for a in axes if a in "kjef")  # the contracted one
         # A load past K reads 0 through its mask; anything else (a computed value, or one
-        # constant along K, as when K is 1) is zeroed there explicitly.
+        # constant along K, as when K is 1) is zeroed there explicitly, which gives it the
+        # K axis (a scalar operand becomes a row of the tile, then the whole tile).
+        present = set(v.axes)
         if kaxis in self.uneven and (not raw or kaxis not in v.axes):
             expr = f"tl.where({self.uneven[kaxis]}, {expr}, 0.0)"
-        if not (set(axes) <= v.axes):
-            expr = f"tl.broadcast_to({expr}, {block})" if v.axes else f"tl.full({block}, {expr}, tl.float32)"
+            present.add(kaxis)
+        if not (set(axes) <= present):
+            expr = f"tl.broadcast_to({expr}, {block})" if present else f"tl.full({block}, {expr}, tl.float32)"
         if not raw:
             expr = f"({expr}).to({ops.TRITON_DTYPES[want]})"
         out = v if expr == v.expr else self.assign(expr, frozenset(axes), "a" if "m" in axes else "b")

@@ -298,8 +298,12 @@ def _softmax_rules() -> list:
         conds = [eq(root).to(lhs)]
         if r.row_factor:
             # r must be constant along the row it scales; its broadcast takes the product's shape.
-            rs = var("rs", Vec[i64])
+            # The other factor must be the product's whole left operand, not a scalar constant
+            # (2.0 * r with r of shape [M, 1] is also a product with a row factor, and would
+            # leave a product of a scalar: an outer product's scaled column, found by fuzzing)
+            rs, xs = var("rs", Vec[i64]), var("xs", Vec[i64])
             conds += [eq(vshape(row)).to(rs), eq(rs[rs.length() - i64(1)]).to(i64(1)),
+                      eq(vshape(s)).to(xs), eq(xs.length()).to(rs.length()),
                       eq(vshape(root)).to(var("out_shape", Vec[i64]))]
         if getattr(k, "uses_wide", False):  # the float the weights were computed in
             conds.append(eq(vdtype(s)).to(var("wide", i64)))
