@@ -474,7 +474,9 @@ class AttentionWriter(KernelWriter):
         return reshape_env(base, root.shape)
 
     def tile_axes(self, root):
-        full = root.numel == math.prod(self.s.batch) * self.s.m * self.s.d and self.s.d != 1
+        # With D = 1 a value per row has as many elements as the output: it then spans the
+        # d axis too (its lanes past D masked), as the output tile does (found by fuzzing)
+        full = root.numel == math.prod(self.s.batch) * self.s.m * self.s.d
         return (("m", "mindex"), ("d", "dindex")) if full else (("m", "mindex"),)
 
     def _at_rows(self, env, want: Env, what: str):
