@@ -35,8 +35,8 @@ from ..errors import Unschedulable
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
 from . import tma
-from .indexing import Env, Idx, env_key, env_of, reshape_env, strided_offset
-from .kernel import KernelWriter, Val, literal, next_pow2
+from .indexing import Env, Idx, env_of, reshape_env, strided_offset
+from .kernel import KernelWriter, Val, literal, next_pow2, operand_key
 from .tiles import MIN_BLOCK, well_formed
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), each timed by the autotuner. The first is the
@@ -636,7 +636,7 @@ class AttentionWriter(KernelWriter):
     def dot_operand(self, node, env, axes, block) -> str:
         """As the base writer's, with a tile that does not move with the keys (the query
         tile) kept for the kernel, not the loop: both key loops use the one load."""
-        key = ("operand", id(node), env_key(env))
+        key = operand_key(node, env, axes)
         if key in self.memo_outer:
             return self.memo_outer[key].expr
         expr = super().dot_operand(node, env, axes, block)

@@ -30,6 +30,7 @@ casts them and when they are stored.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 from ..errors import Unschedulable
@@ -624,6 +625,11 @@ class KernelWriter:
             self.loop.append(f"{name} = {_pick(parts)}")
         template = PNode("dot", (), (a_at, b_at), (self.s.m, self.s.n), self.s.dot_dtype)
         self.loop.append(f"{acc} = {self.dot_step(template, a_env, b_env, acc)}")
+        if any(re.search(rf"\b({PART_A}|{PART_B})\b", line) for line in self.lines):
+            # An operand constant along K (K = 1, or broadcast along it) is loaded before the
+            # loop, where no part is picked yet (found by random graphs: a @ b + b @ a on
+            # 1 x 1 matrices); the extraction then takes another plan
+            raise Unschedulable("summed products with an operand constant along K")
         self.params = [p for p in self.params if p not in (PART_A, PART_B)]
         self.close_loop(parts=len(a_parts))
 
@@ -649,7 +655,7 @@ class KernelWriter:
             base, benv = base.args[0], self.operand_env(base, benv)
         want = self.s.dot_dtype
         raw = base.op == "load" and base.dtype == want
-        key = ("operand", id(node), env_key(env))
+        key = operand_key(node, env, axes)
         if key in self.memo_loop:
             return self.memo_loop[key].expr
         if self.descriptors is not None:
@@ -930,6 +936,14 @@ class KernelWriter:
         if "n" in self.uneven:
             head.append("nmask = nindex < N")
         return head
+
+
+def operand_key(node: PNode, env, axes) -> tuple:
+    """What an operand tile is memoised under. Its axes are part of what it is: a value
+    with no axis of its own (a 1 x 1 matrix, broadcast) is the left tile of one product and
+    the right tile of another (found by random graphs: the second product of a backward
+    reused the first one's tile, and its gradient came out 16 times too large)."""
+    return ("operand", id(node), env_key(env), tuple(axes))
 
 
 def _direct_reduces(node: PNode) -> list[PNode]:
