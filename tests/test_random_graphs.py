@@ -10,6 +10,7 @@ import torch
 from conftest import assert_matches
 
 import eqfuse
+import eqfuse.backend
 
 UNARY = [lambda x: torch.exp(-x.abs()), torch.relu, torch.tanh, torch.sigmoid, torch.abs, torch.neg, torch.sin,
          torch.nn.functional.gelu, torch.nn.functional.silu, lambda x: x * 0.5]
@@ -135,3 +136,20 @@ def test_gradient_through_a_broadcast_maximum_of_a_product():
         grads.append([t.grad for t in xs])
     for got, ref in zip(*grads):
         assert_matches(got, ref)
+
+
+def test_a_backward_returning_an_expanded_gradient_compiles():
+    # The gradient of a sum over the last dim is its upstream gradient expanded: AOTAutograd
+    # returns it in that layout (a stride of 0), which the check against the graph could
+    # not write into, and the backward ran in eager
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    f = lambda x, y: x.sum(-1) * y  # noqa: E731
+    x, y = torch.randn(4, 6, requires_grad=True), torch.randn(4, requires_grad=True)
+    torch.compile(f, backend="eqfuse")(x, y).sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    f(x, y).sum().backward()
+    assert_matches(got, x.grad)
+    notes = [h.report.get("note", "") for h in eqfuse.backend.history]
+    assert len(notes) == 2 and not any("internal" in n for n in notes), notes

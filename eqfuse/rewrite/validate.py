@@ -281,16 +281,27 @@ def _eval_kernel(step: KernelSpec, plan: Plan, buffers: dict, device) -> None:
         out = torch.empty_strided(b.shape, b.layout, dtype=ops.DTYPES[b.dtype], device=device)
         biggest = max(n.numel for n in root.walk())
         if biggest <= CHUNK_ELEMENTS or tuple(root.shape) != tuple(b.shape) or not root.shape:
-            out.copy_(ev.full(root).broadcast_to(b.shape))
+            _write(out, ev.full(root).broadcast_to(b.shape))
         elif (dim := _chunk_dim(root, buffers)) is None:
-            out.copy_(ev.full(root))
+            _write(out, ev.full(root))
         else:
             rows = root.shape[dim]
             step_rows = max(1, rows * CHUNK_ELEMENTS // biggest)
             for lo in range(0, rows, step_rows):
                 hi = min(rows, lo + step_rows)
-                out.narrow(dim, lo, hi - lo).copy_(ev.narrow(root, dim, lo, hi, {}))
+                _write(out.narrow(dim, lo, hi - lo), ev.narrow(root, dim, lo, hi, {}))
         buffers[buf] = out
+
+
+def _write(out: torch.Tensor, value: torch.Tensor) -> None:
+    """``out.copy_(value)``, also where ``out`` has a stride of 0 (a graph output kept
+    in eager's layout, an expanded gradient): the kernel writes its equal values over one
+    another there; torch refuses to, so the first of them is written (found by random
+    graphs: such a backward failed this check and ran in eager)."""
+    for d, (size, stride) in enumerate(zip(out.shape, out.stride())):
+        if stride == 0 and size > 1:
+            out, value = out.narrow(d, 0, 1), value.broadcast_to(out.shape).narrow(d, 0, 1)
+    out.copy_(value)
 
 
 def _last_reads(plan: Plan) -> dict:
