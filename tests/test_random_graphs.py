@@ -165,3 +165,12 @@ def test_a_row_reduction_of_column_sums_compiles(f):
     c = eqfuse.compile(f, (x,))
     assert "note" not in c.report, c.report.get("note")
     assert_matches(c(x), f(x))
+
+
+def test_a_one_element_product_joined_to_a_vector():
+    # The concatenation reads the product's one-element buffer in its first branch: a
+    # scalar address under a block mask, which Triton refused
+    f = lambda x: torch.cat([torch.rsqrt(torch.bmm(x, x.transpose(1, 2)) ** 2 + 1), x[..., 1:]], -1)  # noqa: E731
+    x = torch.randn(1, 1, 9)
+    c = eqfuse.compile(f, (x,))
+    assert_matches(c(x), f(x))

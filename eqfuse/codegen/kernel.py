@@ -485,7 +485,13 @@ class KernelWriter:
         axes = off.axes | (env.guard.axes if env.guard is not None else frozenset())
         m = self.mask(axes, env.guard)
         ptr = f"{buf} + {off.expr}" if off.expr != "0" else buf
-        text = f"tl.load({ptr}, mask={m}, other=0)" if m else f"tl.load({ptr})"
+        if m and axes and not off.axes:
+            # One address for the whole block under a block mask (a one-element buffer read
+            # in one branch of a concatenation): Triton takes no block mask for a scalar
+            # pointer, so the mask is applied after the read (found by random graphs)
+            text = f"tl.where({m}, tl.load({ptr}), 0)"
+        else:
+            text = f"tl.load({ptr}, mask={m}, other=0)" if m else f"tl.load({ptr})"
         if upcast and node.dtype in ops.NARROW_FLOATS:
             text += ".to(tl.float32)"
         return self.assign(text, axes, "x" if "x" in axes else "v")
