@@ -174,3 +174,24 @@ def test_a_one_element_product_joined_to_a_vector():
     x = torch.randn(1, 1, 9)
     c = eqfuse.compile(f, (x,))
     assert_matches(c(x), f(x))
+
+
+def test_training_a_product_of_halves_of_a_normalised_row():
+    # The forward stores the first normalised value, one element, from a row-reduction
+    # kernel whose value spans its rows' lanes: a block through a scalar address
+    def f(x):
+        mu = x.mean(-1, keepdim=True)
+        y = (x - mu) * torch.rsqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5)
+        a, b = y.chunk(2, dim=-1)
+        return a @ b.transpose(-1, -2)
+
+    torch._dynamo.reset()
+    x = torch.tensor([[[0.3, -1.2]]])
+    grads = []
+    for fn in (f, torch.compile(f, backend="eqfuse")):
+        xs = x.clone().requires_grad_()
+        out = fn(xs)
+        (out * 2.0).sum().backward()
+        grads.append((out.detach(), xs.grad))
+    assert_matches(grads[1][0], grads[0][0])
+    assert_matches(grads[1][1], grads[0][1])

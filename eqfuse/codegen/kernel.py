@@ -212,6 +212,10 @@ def summed_products(spec: KernelSpec) -> PNode | None:
     return None
 
 
+# The index each axis of a block is laid out along, where the kernel's head names one
+AXIS_INDEX = {"x": "xindex", "y": "yindex", "r": "rindex", "c": "cindex", "m": "mindex", "n": "nindex",
+              "d": "dindex"}
+
 # The operand buffers of a summed loop's current product (KernelWriter.summed_loop).
 PART_A, PART_B = "part_a", "part_b"
 
@@ -822,6 +826,12 @@ class KernelWriter:
         for axis, name in self.tile_axes(root):
             if axis not in lin.axes:
                 lin = Idx(f"{lin.expr} + 0 * {name}", lin.axes | {axis})
+        # A value that varies along axes its address does not (a one-element output of a
+        # reduction kernel, its row's lanes masked past R): the pointer takes them too, as
+        # Triton stores no block through a smaller pointer (found by random graphs)
+        for axis in sorted(v.axes - lin.axes):
+            if axis in AXIS_INDEX:
+                lin = Idx(f"{lin.expr} + 0 * {AXIS_INDEX[axis]}", lin.axes | {axis})
         axes = lin.axes
         block = {"x": "[1, XBLOCK]" if self.s.inner else "[XBLOCK]", "y": "[YBLOCK, 1]", "yx": "[YBLOCK, XBLOCK]",
                  "r": "[BLOCK_R, 1]", "c": "[1, BLOCK_C]", "rc": "[BLOCK_R, BLOCK_C]",
