@@ -303,11 +303,15 @@ class Extractor:
         while state.invalid:
             bad = state.invalid[0]
             inside = [c for c in state.inline_sets[bad] if c in self.kernel_of and c not in M]
-            if not inside and self._reroute(state.inline_sets[bad], set(order), M):
-                memo.clear()  # every kernel is built again from the new forms
-                unfused = evaluate(set(forced) | set(candidates), {})
-                state = self._checked(evaluate(M, host), memo)
-                continue
+            if not inside:
+                def trial():
+                    memo.clear()  # every kernel is built again from the new forms
+                    return self._checked(evaluate(M, host), memo)
+                rerouted = self._reroute(bad, state.inline_sets[bad], set(order), M, trial)
+                if rerouted is not None:
+                    state = rerouted
+                    unfused = evaluate(set(forced) | set(candidates), {})
+                    continue
             if not inside:
                 raise ExtractionError(f"kernel for {self.fx_names(bad) or bad} cannot be scheduled: "
                                       f"{state.reasons[bad]}")
@@ -348,33 +352,39 @@ class Extractor:
         return plan, {"plan_cost_us": round(state.cost, 3), "unfused_cost_us": round(unfused.cost, 3),
                       "materialised": len(M), "kernels": len(plan.kernels)}
 
-    def _reroute(self, inline, reachable: set, M) -> bool:
+    def _reroute(self, bad, inline, reachable: set, M, trial) -> _State | None:
         """For a kernel that cannot be scheduled and inlines no value it could store instead:
-        compute one of its inlined classes through another e-node of the class, one that
-        reads a value a kernel can store (the repair's next step can then store it). A
-        rewrite may have taken the cheapest form around every such value: x.sum(0).softmax(-1)
-        had the row max read the column sums' reduction through a reshape of a reshape
-        collapsed into one, past the class of the sums (found by random graphs; the whole
-        graph ran in eager). True if a class's form changed."""
+        compute one of its inlined classes through another e-node of the class, the first
+        with which the kernel can be scheduled, or inlines a value the repair can store.
+        The rewrites may have taken forms that leave no way out: x.sum(0).softmax(-1) had
+        the row max read the column sums' reduction past every storable value, and a
+        product over a concatenated K was split into products of K 8 and 9, which one
+        kernel cannot hold (found by random graphs; the whole graph ran in eager). The
+        plan ``trial()`` makes with the new form, or None (the forms as they were)."""
         for c in inline:
+            old = self.best[c]
             for n in self.g.classes[c]:
-                if n is self.best[c] or self.is_self_load(n):
+                if n is old or self.is_self_load(n):
                     continue
                 kids = self.value_children(n)
                 if not all(k in reachable and k in self.best for k in kids):
                     continue
-                if not any(k in self.kernel_of and k not in M for k in kids):
-                    continue
                 if any(c in self._region(k) for k in kids):  # it would compute c from itself
                     continue
-                self.best[c] = n
-                # What was worked out from the old form
-                self._regions.clear()
-                self._recipes.clear()
-                self._index_only.clear()
-                self._kernels.clear()
-                return True
-        return False
+                self._choose(c, n)
+                st = trial()
+                if bad not in st.invalid or any(k in self.kernel_of and k not in M for k in st.inline_sets[bad]):
+                    return st
+            self._choose(c, old)
+        return None
+
+    def _choose(self, c, n) -> None:
+        """Class ``c`` computed by e-node ``n`` from now on; what was worked out from its old form is forgotten."""
+        self.best[c] = n
+        self._regions.clear()
+        self._recipes.clear()
+        self._index_only.clear()
+        self._kernels.clear()
 
     def _repair_choice(self, trials: list, bad, memo) -> tuple[_State, str]:
         """Of the trial plans (each with the class it materialises), the one where the kernel
