@@ -474,9 +474,9 @@ class AttentionWriter(KernelWriter):
         return reshape_env(base, root.shape)
 
     def tile_axes(self, root):
-        # With D = 1 a value per row has as many elements as the output: it then spans the
-        # d axis too (its lanes past D masked), as the output tile does (found by fuzzing)
-        full = root.numel == math.prod(self.s.batch) * self.s.m * self.s.d
+        # With D = 1 the output tile still spans BLOCK_D lanes: the base writer's store
+        # gives its pointer the d axis from the value's axes
+        full = root.numel == math.prod(self.s.batch) * self.s.m * self.s.d and self.s.d != 1
         return (("m", "mindex"), ("d", "dindex")) if full else (("m", "mindex"),)
 
     def _at_rows(self, env, want: Env, what: str):
