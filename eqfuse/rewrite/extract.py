@@ -308,13 +308,12 @@ class Extractor:
                     memo.clear()  # every kernel is built again from the new forms
                     return self._checked(evaluate(M, host), memo)
                 rerouted = self._reroute(bad, state.inline_sets[bad], set(order), M, trial)
-                if rerouted is not None:
-                    state = rerouted
-                    unfused = evaluate(set(forced) | set(candidates), {})
-                    continue
-            if not inside:
-                raise ExtractionError(f"kernel for {self.fx_names(bad) or bad} cannot be scheduled: "
-                                      f"{state.reasons[bad]}")
+                if rerouted is None:
+                    raise ExtractionError(f"kernel for {self.fx_names(bad) or bad} cannot be scheduled: "
+                                          f"{state.reasons[bad]}")
+                state = rerouted
+                unfused = evaluate(set(forced) | set(candidates), {})
+                continue
             trials = [(evaluate(M | {c}, host, state), c) for c in inside]
             state, c = self._repair_choice(trials, bad, memo)
             M = M | {c}
