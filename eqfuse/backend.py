@@ -87,7 +87,10 @@ class _PerShape:
     signature, MAX_SHAPES at most; other calls run the graph as traced."""
 
     def __init__(self, gm: torch.fx.GraphModule, compile_fn):
+        from .runtime.compiled import _boxed
+
         self.gm = gm
+        self.run_traced = _boxed(gm)
         self.compile_fn = compile_fn
         self.compiled: dict = {}  # (size arguments, tensor signature) -> compiled graph or None
         self.warned = False
@@ -102,9 +105,7 @@ class _PerShape:
         if compiled is False:
             compiled = self._compile(key, sizes, tensors)
         if compiled is None:
-            inputs = tuple(args)
-            args.clear()
-            return self.gm(*inputs)
+            return self.run_traced(args)
         args.clear()
         return compiled.call_boxed(tensors)
 
