@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..schema import ops
-from ..schema.plan import FallbackStep, KernelSpec, Plan, contiguous_strides
+from ..schema.plan import FallbackStep, KernelSpec, Plan, contiguous_strides, last_uses, returned_buffers, step_reads
 from . import kernel as kgen
 from .kmajor import kmajor_operands
 from .split import split_reductions
@@ -100,7 +100,7 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
     body = []
     allocated = set(args)
     fallback_index = 0
-    freed_after = _last_uses(plan, by_name, kept=_returned(plan))
+    freed_after = _freed_after(plan)
     for index, step in enumerate(plan.steps):
         if index in freed_after:  # after the previous step: the caching allocator reuses their memory
             body.append(f"del {', '.join(freed_after[index])}")
@@ -120,7 +120,7 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
             body.append(f"{info.name}_launch({', '.join(info.params)})")
         else:
             assert isinstance(step, FallbackStep)
-            refs = sorted(_referenced(step))
+            refs = sorted(step_reads(step))
             env = "{" + ", ".join(f"{r!r}: {r}" for r in refs) + "}"
             outs = ", ".join(step.outputs)
             body.append(f"# eager: {step.node} ({step.reason})")
@@ -151,40 +151,14 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
     return "\n".join(parts) + "\n", infos
 
 
-def _step_buffers(step, by_name: dict) -> set:
-    """The buffers a step of the plan reads or writes."""
-    if isinstance(step, KernelSpec):
-        return set(by_name[step.name].params) | {buf for _, buf in step.roots}
-    return _referenced(step) | set(step.outputs)
-
-
-def _returned(plan) -> set:
-    """The buffers the graph's outputs are, or are views of."""
-    names = set()
-    for kind, value in plan.outputs:
-        if kind in ("buffer", "opaque"):
-            names.add(value)
-        elif kind == "view":
-            names.add(value.buf)
-    return names
-
-
-def _last_uses(plan, by_name: dict, kept: set) -> dict:
+def _freed_after(plan: Plan) -> dict:
     """step index -> the buffers (inputs and intermediates) to let go of before that step:
     those the previous step was the last to use. Without this, every one lived until the
     graph returned: a Llama layer's training step peaked about 16 GB above what was
     resident, against 10.8 with them dropped (H100, benchmarks/models.py)."""
-    last: dict = {}
-    for index, step in enumerate(plan.steps):
-        for buf in _step_buffers(step, by_name):
-            last[buf] = index
+    kept = returned_buffers(plan)
     freed: dict = {}
-    for buf, index in last.items():
+    for buf, index in last_uses(plan).items():
         if buf not in kept:
             freed.setdefault(index + 1, []).append(buf)
     return {i: sorted(bufs) for i, bufs in freed.items() if i < len(plan.steps)}
-
-
-def _referenced(step: FallbackStep) -> set:
-    from ..rewrite.extract import _reads
-    return _reads(step)

@@ -30,7 +30,7 @@ import networkx as nx
 from ..codegen.kernel import generate, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
-from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides
+from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides, step_reads
 from ..schema.terms import bits_float, buffer_name, dtype_name
 from .cost import Device, device_model, kernel_time_us
 from .egraph_json import EGraphView, ENode
@@ -509,7 +509,7 @@ class Extractor:
             self._fallbacks = {f"f{j}": FallbackStep(fb.node, fb.target, _map_refs(fb.args, self),
                                                      _map_refs(fb.kwargs, self), fb.reason, fb.outputs, fb.multi)
                                for j, fb in enumerate(self.tr.fallbacks)}
-            self._fallback_reads = {key: _reads(step) for key, step in self._fallbacks.items()}
+            self._fallback_reads = {key: step_reads(step) for key, step in self._fallbacks.items()}
         return self._fallbacks
 
     def _buffers(self, M) -> dict:
@@ -710,7 +710,7 @@ def _dependencies(kernels: dict, fallbacks: dict, reads: dict | None = None):
         for name in step.outputs:
             writer[name] = key
     for key, step in {**kernels, **fallbacks}.items():
-        for b in (reads[key] if reads is not None else _reads(step)):
+        for b in (reads[key] if reads is not None else step_reads(step)):
             if b in writer and writer[b] != key:
                 yield writer[b], key
 
@@ -794,25 +794,3 @@ def _map_refs(obj, ex: Extractor):
     if isinstance(obj, dict):
         return {k: _map_refs(v, ex) for k, v in obj.items()}
     return obj
-
-
-def _reads(step) -> set:
-    from ..schema.from_fx import BufRef
-    if isinstance(step, KernelSpec):
-        return {n.attrs[0] for n in step.walk() if n.op == "load"}
-    found = set()
-
-    def go(o):
-        if isinstance(o, BufRef):
-            found.add(o.buf)
-        elif isinstance(o, BufArg):
-            found.add(o.name)
-        elif isinstance(o, (list, tuple)):
-            for x in o:
-                go(x)
-        elif isinstance(o, dict):
-            for x in o.values():
-                go(x)
-    go(step.args)
-    go(step.kwargs)
-    return found

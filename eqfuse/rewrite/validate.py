@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from ..schema import ops
-from ..schema.plan import BufArg, KernelSpec, Plan, PNode
+from ..schema.plan import BufArg, KernelSpec, Plan, PNode, last_uses, returned_buffers
 
 # Memory bound of the check. A kernel whose nodes hold more elements than this is
 # evaluated in chunks along one dim of each root (the query rows of attention: the
@@ -304,41 +304,13 @@ def _write(out: torch.Tensor, value: torch.Tensor) -> None:
     out.copy_(value)
 
 
-def _last_reads(plan: Plan) -> dict:
-    """For each buffer, the index of the last step that reads it."""
-    from ..schema.from_fx import BufRef
-
-    last: dict = {}
-
-    def refs(obj, i):
-        if isinstance(obj, BufArg):
-            last[obj.name] = i
-        elif isinstance(obj, BufRef):
-            last[obj.buf] = i
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                refs(x, i)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                refs(x, i)
-
-    for i, step in enumerate(plan.steps):
-        if isinstance(step, KernelSpec):
-            for n in step.walk():
-                if n.op == "load":
-                    last[n.attrs[0]] = i
-        else:
-            refs((step.args, step.kwargs), i)
-    return last
-
-
 def evaluate(plan: Plan, inputs, fallback_runner) -> list:
     """The plan's flat outputs, computed with PyTorch ops. Buffers no output needs are
-    dropped after their last reader."""
+    dropped after their last use, as the generated module drops them."""
     device = inputs[0].device if inputs else torch.device("cpu")
     buffers = {b.name: x for b, x in zip(plan.inputs, inputs)}
-    kept = {o[1] if o[0] != "view" else o[1].buf for o in plan.outputs if o[0] in ("buffer", "view", "opaque")}
-    last = _last_reads(plan)
+    kept = returned_buffers(plan)
+    last = last_uses(plan)
     for i, step in enumerate(plan.steps):
         if isinstance(step, KernelSpec):
             _eval_kernel(step, plan, buffers, device)

@@ -173,3 +173,47 @@ def rewrite_kernels(plan: Plan, rewrite) -> None:
         plan.buffers.update({b.name: b for b in buffers})
         steps += kernels
     plan.steps[:] = steps
+
+
+def step_reads(step) -> set:
+    """The buffers a step of a plan reads: a kernel's loads, an eager step's arguments."""
+    from .from_fx import BufRef
+    if isinstance(step, KernelSpec):
+        return {n.attrs[0] for n in step.walk() if n.op == "load"}
+    found = set()
+
+    def go(o):
+        if isinstance(o, BufRef):
+            found.add(o.buf)
+        elif isinstance(o, BufArg):
+            found.add(o.name)
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                go(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                go(x)
+    go(step.args)
+    go(step.kwargs)
+    return found
+
+
+def last_uses(plan: Plan) -> dict:
+    """buffer -> the index of the last step that reads or writes it."""
+    last: dict = {}
+    for index, step in enumerate(plan.steps):
+        written = [buf for _, buf in step.roots] if isinstance(step, KernelSpec) else step.outputs
+        for buf in (*step_reads(step), *written):
+            last[buf] = index
+    return last
+
+
+def returned_buffers(plan: Plan) -> set:
+    """The buffers the graph's outputs are, or are views of."""
+    names = set()
+    for kind, value in plan.outputs:
+        if kind in ("buffer", "opaque"):
+            names.add(value)
+        elif kind == "view":
+            names.add(value.buf)
+    return names
