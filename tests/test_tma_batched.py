@@ -47,6 +47,11 @@ def prologue(a, b):
     return (a * 2 + 1) @ b
 
 
+def tanh_epilogue(a, b, bias):
+    """A special function in the epilogue: computed half a tile at a time."""
+    return torch.tanh(a @ b + bias)
+
+
 def _cases(dtype):
     r = lambda *s: torch.randn(*s, dtype=dtype, device=DEVICE)  # noqa: E731
     return {
@@ -56,6 +61,7 @@ def _cases(dtype):
                                                   torch.rand(33, 56, device=DEVICE) > 0.7)),
         "P^T @ V": (pt_v, (r(3, 56, 40), r(3, 56, 48))),
         "shared weight": (shared_weight, (r(2, 3, 33, 40), r(40, 48))),
+        "tanh epilogue": (tanh_epilogue, (r(3, 33, 40), r(3, 40, 56), r(56))),
     }
 
 
@@ -143,7 +149,8 @@ def _forced(compiled, k, cfg=TMA_CFG):
 
 
 @pytest.mark.parametrize("dtype", [H, BF, F32], ids=str)
-@pytest.mark.parametrize("case", ["bmm", "scores causal", "scores mask input", "P^T @ V", "shared weight"])
+@pytest.mark.parametrize("case", ["bmm", "scores causal", "scores mask input", "P^T @ V", "shared weight",
+                                  "tanh epilogue"])
 def test_batched_tma_form_matches_eager(case, dtype):
     """Odd sizes (M = 33 with 32-row tiles: the second tile of each matrix hangs over its
     edge and must read zeros, not the next matrix's rows), transposed operands, an
@@ -161,6 +168,7 @@ def test_batched_tma_form_matches_eager(case, dtype):
     assert ".store([bindex, pid_m * BLOCK_M" in src  # the output through a 3-D descriptor
     if case == "shared weight":
         assert "shape=[40, 48]" in src  # B unbatched: a 2-D box, no batch coordinate
+    assert ("for half in tl.static_range(2)" in src) == (case == "tanh epilogue")
     (out,) = module.call(inputs[0].device, [], *inputs)
     assert_matches(out, fn(*inputs), contraction=True)
 
