@@ -129,14 +129,19 @@ class _PerShape:
 
 
 def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **_: Any):
-    """The dynamo backend. ``options`` are ``eqfuse.compile`` options, and ``recompute``
-    (default False): True has the backward recompute cheap forward values instead of the
-    forward saving them (AOTAutograd's min-cut partitioner, as Inductor uses); False saves
-    every value the backward reads."""
+    """The dynamo backend. ``options`` are ``eqfuse.compile`` options, and two of its own:
+    ``recompute`` (default False): True has the backward recompute cheap forward values
+    instead of the forward saving them (AOTAutograd's min-cut partitioner, as Inductor
+    uses); False saves every value the backward reads. ``backward_ahead`` (default True):
+    a training graph's backward is built with its forward, while the forward's kernels
+    compile, instead of at the first backward (AOTAutograd's default); False saves that
+    build where no backward ever runs."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     options = dict(options or {})
+    ahead = options.pop("backward_ahead", True) and hasattr(functorch_config, "force_non_lazy_backward_lowering")
     # Recomputing is not the default: on an H100 (benchmarks/models.py, fp16, training
     # step) it took the Llama layer from 44.1 to 49.5 ms for 0.7 GB less at the peak
     # (of 16.5), while BERT's step went from 1539 to 1306 us; GPT-2's graphs came out alike.
@@ -152,7 +157,12 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # CPU was wrong, compilers aside.)
     backend = aot_autograd(fw_compiler=training, bw_compiler=training, inference_compiler=compiler,
                            partition_fn=partition)
-    return backend(gm, example_inputs)
+    if not ahead:
+        return backend(gm, example_inputs)
+    # The forward's kernels compile in the pool as its build returns (pipeline._start_kernels),
+    # so building the backward now overlaps them; the first backward only waits for its own
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        return backend(gm, example_inputs)
 
 
 backend = eqfuse_backend

@@ -4,6 +4,7 @@ to look at (``CompiledGraph.plan``, ``.source``, ``.report``)."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -98,7 +99,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     # A plan that fails validation, or an e-graph the parser finds inconsistent (egglog
     # 13.2 once mixed up string arguments between terms: see terms.py), is built once
     # more from scratch; then the graph runs in eager with the reason.
-    problem = None
+    problem, started = None, None
     for _attempt in range(2):
         try:
             plan, sat, ext_report = extract_plan()
@@ -109,6 +110,8 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
             if not e.retry:
                 break
             continue
+        if _deferred(options, parallel, infos_possible=device_type == "cuda"):
+            started = _start_kernels(plan, title, example_inputs, captured.constants, seconds)
         if not options.validate:
             problem = None
             break
@@ -124,6 +127,18 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         result["report"].setdefault("retries", []).append(problem)
     if problem:
         return eager(problem)
+    result["report"].update(saturation=sat.as_dict(), extraction=ext_report)
+    result["report"]["saturation"]["eclasses"] = sat.eclasses
+    if started is not None:
+        plan, source, infos, module, pending, configs = started
+        result.update(kernels=infos, source=source, plan=plan, module=module, launch=module.call_boxed,
+                      fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
+                      fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks],
+                      complete=lambda: _complete(result, pending, configs, title, example_inputs,
+                                                 captured.constants))
+        if key is not None:
+            _store_plan(key, result)
+        return _rounded(result)
 
     t0 = time.perf_counter()
     source, infos = generate_module(plan, title, VERSION)
@@ -137,12 +152,77 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
             return eager(str(e))
         source, infos = generate_module(plan, title, VERSION, configs)
     seconds["codegen"] = time.perf_counter() - t0 - tuning.get("seconds", 0.0)
-    result["report"].update(saturation=sat.as_dict(), extraction=ext_report)
-    result["report"]["saturation"]["eclasses"] = sat.eclasses
     _finish(result, plan, source, infos, captured, example_inputs, parallel, tuning)
     if key is not None:
         _store_plan(key, result)
     return _rounded(result)
+
+
+def _deferred(options, parallel: bool, infos_possible: bool) -> bool:
+    """Whether the kernels are compiled while the build goes on and checked at the first
+    call (``_start_kernels``, ``_complete``): in the pool on a GPU, untimed."""
+    from .runtime.cache import switched_on
+    return parallel and infos_possible and not switched_on("EQFUSE_AUTOTUNE", options.autotune)
+
+
+def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict):
+    """The plan's module, each kernel in the tile model's first configuration (or the one
+    timed for it before), loaded, its kernels compiling in the pool as the build goes on:
+    validation, then (with the backend's ``backward_ahead``) a training step's backward
+    graph overlap the compile, which was the longest stage of a cold build. (the plan as
+    generated, source, kernels, module, parallel_compile.Pending, configs), or None for a
+    plan without kernels."""
+    from .codegen.module import generate_module
+    from .runtime.autotune import first_choices
+    from .runtime.cache import cache_key, load_module
+    from .runtime.compiled import VERSION
+    from .runtime.parallel_compile import Pending, module_launches
+
+    t0 = time.perf_counter()
+    plan = copy.deepcopy(plan)  # code generation splits kernels in place; validation wants them whole
+    source, infos = generate_module(plan, title, VERSION)
+    if not infos:
+        seconds["codegen"] = time.perf_counter() - t0
+        return None
+    configs = first_choices(plan, infos, VERSION)
+    source, infos = generate_module(plan, title, VERSION, configs)
+    seconds["codegen"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    module = load_module(cache_key(source, "cuda", VERSION, _triton_version()), source, interpret=False)
+    seconds["load"] = time.perf_counter() - t0
+    pending = Pending(module_launches(module, infos, plan, list(example_inputs) + list(constants)))
+    return plan, source, infos, module, pending, configs
+
+
+def _complete(result: dict, pending, first: dict, title: str, example_inputs, constants) -> dict:
+    """At the first call of a module from ``_start_kernels``: waits for the pool, then
+    launches each kernel once on scratch buffers (``choose_configs``, untimed), as a build
+    without deferral does; a configuration that does not run on this device gives way
+    to the next one, in a module generated anew: its fields of the result are returned
+    (none where the first choices all ran). Raises NoRunnableConfig where none runs."""
+    from .codegen.module import generate_module
+    from .runtime.autotune import choose_configs
+    from .runtime.cache import cache_key, load_module
+    from .runtime.compiled import VERSION
+
+    report, plan = result["report"], result["plan"]
+    t0 = time.perf_counter()
+    outcome = pending.wait()
+    waited = time.perf_counter() - t0
+    tuning: dict = {}
+    configs = choose_configs(plan, result["kernels"], title, VERSION, example_inputs, constants,
+                             measure=False, parallel=False, stats=tuning)
+    changed = {}
+    if configs != first:
+        source, infos = generate_module(plan, title, VERSION, configs)
+        module = load_module(cache_key(source, "cuda", VERSION, _triton_version()), source, interpret=False)
+        changed = dict(source=source, kernels=infos, module=module, launch=module.call_boxed)
+    report["seconds"]["compile"] = round(outcome.seconds, 4)  # the pool's, mostly beside the build
+    report["seconds"]["first_call_wait"] = round(waited + tuning.get("seconds", 0.0), 4)
+    report["compile"] = {"module": outcome.as_dict()}
+    if outcome.note:
+        report["note"] = "; ".join(n for n in (report.get("note"), outcome.note) if n)
+    return changed
 
 
 def _finish(result: dict, plan, source: str, infos: list, captured, example_inputs, parallel: bool,

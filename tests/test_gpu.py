@@ -92,20 +92,33 @@ def jit_compiles():
     knobs.compilation.listener = old
 
 
-@pytest.mark.parametrize("autotune", [False, True])
-def test_pool_compiles_every_kernel_before_its_first_launch(fresh_caches, jit_compiles, autotune):
-    inputs = _mlp_inputs(97 + autotune)
-    compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=autotune, cuda_graphs=False)
+def test_pool_compiles_every_kernel_before_its_first_launch(fresh_caches, jit_compiles):
+    """Timed: every candidate compiles in the pool, then the final module's kernels (the
+    winners, in a module of another text) before their first launch."""
+    inputs = _mlp_inputs(98)
+    compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=True, cuda_graphs=False)
     assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
     assert jit_compiles == []  # candidates, the final module, and the call: all loaded from the cache
     cand, final = compiled.report["compile"]["candidates"], compiled.report["compile"]["module"]
-    assert cand["compiled_in_pool"] == cand["kernels"] >= len(compiled.kernels) >= 2, cand
-    if autotune:  # every timed candidate
-        assert cand["kernels"] > len(compiled.kernels)
-    else:  # the untimed build's choices are the final module: nothing left to compile
-        assert (final["kernels"], final["cached"]) == (len(compiled.kernels),) * 2, final
+    assert cand["compiled_in_pool"] == cand["kernels"] > len(compiled.kernels) >= 2, cand
+    assert final["kernels"] == len(compiled.kernels), final
     assert compiled.report["seconds"]["compile"] > 0
     assert "note" not in compiled.report
+
+
+def test_untimed_build_returns_while_its_kernels_compile(fresh_caches, jit_compiles):
+    """Untimed: the build returns with the module's kernels compiling in the pool
+    (pipeline._start_kernels); the first call waits for them, launches each once, runs."""
+    inputs = _mlp_inputs(97)
+    compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=False, cuda_graphs=False)
+    assert "compile" not in compiled.report and "compile" not in compiled.report["seconds"]
+    assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
+    assert jit_compiles == []  # the launch check and the call: all loaded from the cache
+    final = compiled.report["compile"]["module"]
+    assert final["compiled_in_pool"] == final["kernels"] == len(compiled.kernels) >= 2, final
+    assert compiled.report["seconds"]["compile"] > 0 and "first_call_wait" in compiled.report["seconds"]
+    assert "note" not in compiled.report
+    assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)  # the later path
 
 
 def test_without_the_pool_kernels_compile_at_their_first_launch(fresh_caches, jit_compiles):
@@ -133,8 +146,8 @@ def test_pool_keys_as_the_jit_after_the_ptxas_path_changed(fresh_caches, jit_com
         inputs = _mlp_inputs(103)
         compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=False, cuda_graphs=False)
         assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
-        cand = compiled.report["compile"]["candidates"]
-        assert cand["compiled_in_pool"] == cand["kernels"] >= 2 and "failed" not in cand, cand
+        pool = compiled.report["compile"]["module"]
+        assert pool["compiled_in_pool"] == pool["kernels"] >= 2 and "failed" not in pool, pool
         assert jit_compiles == []
     finally:
         pc.shutdown()

@@ -93,6 +93,29 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
     launch; ``stats`` (a dict) gets the seconds spent compiling and launching candidates
     and the pool's outcome."""
     measure = switched_on("EQFUSE_AUTOTUNE", measure)
+    chosen, pending = _stored(plan, infos, version)
+    if not pending:
+        return chosen
+    outcome, seconds = _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure,
+                                    parallel)
+    if stats is not None:
+        stats["seconds"] = seconds
+        stats["pool"] = outcome
+    return chosen
+
+
+def first_choices(plan, infos, version) -> dict:
+    """kernel name -> config, without launching anything: the one timed before (stored),
+    else the model's first choice (what an untimed ``choose_configs`` takes when it runs)."""
+    chosen, pending = _stored(plan, infos, version)
+    for info, _ in pending:
+        chosen[info.name] = kgen.fallback_candidates(info.schedule)[0]
+    return chosen
+
+
+def _stored(plan, infos, version) -> tuple[dict, list]:
+    """({kernel name: config} of the kernels a config was timed for before, [(kernel info,
+    store key)] of the others)."""
     device = torch.cuda.get_device_name()
     store = _load_store()
     chosen: dict = {}
@@ -106,14 +129,7 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
             chosen[info.name] = store[key]
         else:
             pending.append((info, key))
-    if not pending:
-        return chosen
-    outcome, seconds = _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure,
-                                    parallel)
-    if stats is not None:
-        stats["seconds"] = seconds
-        stats["pool"] = outcome
-    return chosen
+    return chosen, pending
 
 
 def _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure, parallel):

@@ -177,19 +177,53 @@ class _Variant:
         except EqfuseError:
             raise
         except Exception as e:  # a bug in eqfuse must not stop the user's program
-            log.warning("eqfuse: internal error, the graph runs in eager: %s: %s", type(e).__name__, e)
-            reason = f"internal error in eqfuse: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            result = {"whole_graph_eager": True, "fallbacks": [FallbackInfo("<graph>", reason)],
-                      "report": {"seconds": {}, "note": f"whole graph runs in eager: {reason}"}}
+            result = _internal_error(e)
+        self._complete = result.pop("complete", None)
         self.__dict__.update(result)
         self.report["seconds"]["total"] = round(time.perf_counter() - start, 4)
         self.graphs = None
         if self.whole_graph_eager:
-            self.run = self.fn
-            self.run_boxed = _boxed(self.fn)
-            return
+            self._run_eager()
+        elif self._complete is not None:  # kernels still compiling (pipeline._start_kernels)
+            self.run, self.run_boxed = self._first_run, self._first_run_boxed
+        else:
+            self._ready()
+
+    def _ready(self):
         self.graphs = self._graph_replayer()
         self.run = self._runner()
+
+    def _run_eager(self):
+        self.run = self.fn
+        self.run_boxed = _boxed(self.fn)
+
+    def _first(self):
+        """The build's last step, at the first call: the kernels the pool compiled in the
+        meantime, each launched once (pipeline._complete)."""
+        from .autotune import NoRunnableConfig
+
+        complete, self._complete = self._complete, None
+        try:
+            self.__dict__.update(complete())
+        except NoRunnableConfig as e:
+            log.warning("eqfuse: graph runs in eager: %s", e)
+            self.__dict__.update(whole_graph_eager=True, fallbacks=[FallbackInfo("<graph>", str(e))])
+            self.report["note"] = f"whole graph runs in eager: {e}"
+            return self._run_eager()
+        except Exception as e:  # a bug in eqfuse must not stop the user's program
+            eager = _internal_error(e)
+            self.__dict__.update(whole_graph_eager=True, fallbacks=eager["fallbacks"])
+            self.report["note"] = eager["report"]["note"]
+            return self._run_eager()
+        self._ready()
+
+    def _first_run(self, *inputs):
+        self._first()
+        return self.run(*inputs)
+
+    def _first_run_boxed(self, args: list):
+        self._first()
+        return self.run_boxed(args)
 
     def _runner(self) -> Callable:
         """The per-call path, closed over what it needs: it runs on every call, so it does
@@ -248,6 +282,14 @@ class _Variant:
         if rep.get("note"):
             lines.append(f"  note: {rep['note']}")
         return "\n".join(lines)
+
+
+def _internal_error(e: Exception) -> dict:
+    """A build's result where eqfuse failed: the whole graph in eager, with the reason."""
+    log.warning("eqfuse: internal error, the graph runs in eager: %s: %s", type(e).__name__, e)
+    reason = f"internal error in eqfuse: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return {"whole_graph_eager": True, "fallbacks": [FallbackInfo("<graph>", reason)],
+            "report": {"seconds": {}, "note": f"whole graph runs in eager: {reason}"}}
 
 
 def _unflattener(spec) -> Callable:

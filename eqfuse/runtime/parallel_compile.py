@@ -414,6 +414,28 @@ def precompile(launches, target: tuple | None = None) -> Outcome:
     return out
 
 
+class Pending:
+    """``precompile(launches)`` running on a thread of its own, which mostly waits on the
+    workers' pipes: the caller goes on (validating the plan, building a training step's
+    backward) while the kernels compile. ``wait()`` gives the Outcome."""
+
+    def __init__(self, launches):
+        self._outcome: Outcome | None = None
+        self._thread = threading.Thread(target=self._run, args=(list(launches),), daemon=True,
+                                        name="eqfuse-precompile")
+        self._thread.start()
+
+    def _run(self, launches):
+        try:
+            self._outcome = precompile(launches)
+        except Exception as e:  # noqa: BLE001 - precompile should not raise; if it does, the JIT compiles
+            self._outcome = Outcome(note=f"kernels compile at first launch: {_one_line(e)}")
+
+    def wait(self) -> Outcome:
+        self._thread.join()
+        return self._outcome
+
+
 def _compile_in_pool(todo: list[Job], out: Outcome, explain) -> None:
     """``explain(job, reply)``: which parts of the key differ, for a reply under another key."""
     size = worker_count()
