@@ -135,9 +135,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
                       fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
                       fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks],
                       complete=lambda: _complete(result, pending, configs, title, example_inputs,
-                                                 captured.constants))
-        if key is not None:
-            _store_plan(key, result)
+                                                 captured.constants, key))
         return _rounded(result)
 
     t0 = time.perf_counter()
@@ -194,12 +192,14 @@ def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict):
     return plan, source, infos, module, pending, configs
 
 
-def _complete(result: dict, pending, first: dict, title: str, example_inputs, constants) -> dict:
+def _complete(result: dict, pending, first: dict, title: str, example_inputs, constants, key) -> dict:
     """At the first call of a module from ``_start_kernels``: waits for the pool, then
     launches each kernel once on scratch buffers (``choose_configs``, untimed), as a build
     without deferral does; a configuration that does not run on this device gives way
     to the next one, in a module generated anew: its fields of the result are returned
-    (none where the first choices all ran). Raises NoRunnableConfig where none runs."""
+    (none where the first choices all ran). Then the plan cache gets the entry (under
+    ``key``, if any): only configurations that ran are kept. Raises NoRunnableConfig
+    where none runs."""
     from .codegen.module import generate_module
     from .runtime.autotune import choose_configs
     from .runtime.cache import cache_key, load_module
@@ -217,11 +217,14 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
         source, infos = generate_module(plan, title, VERSION, configs)
         module = load_module(cache_key(source, "cuda", VERSION, _triton_version()), source, interpret=False)
         changed = dict(source=source, kernels=infos, module=module, launch=module.call_boxed)
+        result.update(changed)
     report["seconds"]["compile"] = round(outcome.seconds, 4)  # the pool's, mostly beside the build
     report["seconds"]["first_call_wait"] = round(waited + tuning.get("seconds", 0.0), 4)
     report["compile"] = {"module": outcome.as_dict()}
     if outcome.note:
         report["note"] = "; ".join(n for n in (report.get("note"), outcome.note) if n)
+    if key is not None:
+        _store_plan(key, result)
     return changed
 
 

@@ -270,6 +270,9 @@ def test_a_hit_starts_no_compile_workers(cache, monkeypatch):
     fn = lambda x, w: torch.relu(x @ w)  # noqa: E731
     first = eqfuse.compile(fn, (x, w), autotune=False)
     assert started and first.report["plan_cache"]["hit"] is False
+    assert "stored" not in first.report["plan_cache"]  # on a GPU, once the first call has run the kernels
+    first(x, w)
+    assert first.report["plan_cache"]["stored"] is True
     started.clear()
     again = eqfuse.compile(fn, (x, w), autotune=False)
     assert again.report["plan_cache"]["hit"] is True and started == []

@@ -113,6 +113,7 @@ class Outcome:
     seconds: float = 0.0
     failed: list = field(default_factory=list)  # "kernel: why": left to compile at first launch
     worker_seconds: float = 0.0  # the compiles' own seconds, added up (what one process would take)
+    launcher_seconds: float = 0.0  # of which building C launchers (a C compile per new signature)
     slowest: tuple = ()  # (kernel, seconds) of the longest compile: the least a batch can take
     note: str = ""  # why the pool was not used, where it was meant to be
 
@@ -121,6 +122,7 @@ class Outcome:
              "workers": self.workers, "seconds": round(self.seconds, 4)}
         if self.compiled:
             d["worker_seconds"] = round(self.worker_seconds, 2)
+            d["launcher_seconds"] = round(self.launcher_seconds, 2)
             d["slowest"] = f"{self.slowest[0]} {self.slowest[1]:.2f} s"
         if self.failed:
             d["failed"] = list(self.failed)
@@ -454,6 +456,7 @@ def _compile_in_pool(todo: list[Job], out: Outcome, explain) -> None:
         else:
             out.compiled += 1
             out.worker_seconds += reply["seconds"]
+            out.launcher_seconds += reply.get("launcher_seconds", 0.0)
             if not out.slowest or reply["seconds"] > out.slowest[1]:
                 out.slowest = (job.name, reply["seconds"])
     if p.broken:
