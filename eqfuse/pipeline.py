@@ -110,7 +110,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
             if not e.retry:
                 break
             continue
-        if _deferred(options, parallel, infos_possible=device_type == "cuda"):
+        if _deferred(options, parallel):
             started = _start_kernels(plan, title, example_inputs, captured.constants, seconds)
         if not options.validate:
             problem = None
@@ -156,11 +156,11 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     return _rounded(result)
 
 
-def _deferred(options, parallel: bool, infos_possible: bool) -> bool:
+def _deferred(options, parallel: bool) -> bool:
     """Whether the kernels are compiled while the build goes on and checked at the first
-    call (``_start_kernels``, ``_complete``): in the pool on a GPU, untimed."""
+    call (``_start_kernels``, ``_complete``): in the pool (so on a GPU), untimed."""
     from .runtime.cache import switched_on
-    return parallel and infos_possible and not switched_on("EQFUSE_AUTOTUNE", options.autotune)
+    return parallel and not switched_on("EQFUSE_AUTOTUNE", options.autotune)
 
 
 def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict):
