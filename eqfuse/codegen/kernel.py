@@ -752,8 +752,7 @@ class KernelWriter:
             return True
         out = self.fresh("out")
         self.lines.append(f"{out} = {value}")
-        self.lines.append(f"{out}_lo, {out}_hi = tl.split(tl.permute(tl.reshape({out}, "
-                          f"(BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))")
+        self.lines.append(f"{out}_lo, {out}_hi = {halves(out)}")
         deep = ".reshape(1, BLOCK_M, BLOCK_N // 2)" if b.batch else ""
         self.lines.append(f"{name}.store([{at}, pid_n * BLOCK_N], {out}_lo{deep})")
         self.lines.append(f"{name}.store([{at}, pid_n * BLOCK_N + BLOCK_N // 2], {out}_hi{deep})")
@@ -773,8 +772,7 @@ class KernelWriter:
         epilogue with a special function (``special_function``) is written so.
         Every ``BLOCK_N`` in the epilogue's lines is the tile's width, and becomes the half's."""
         accs = sorted(set(re.findall(r"\bacc\d+\b", "\n".join(epilogue))))
-        out = [f"{a}_lo, {a}_hi = tl.split(tl.permute(tl.reshape({a}, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))"
-               for a in accs]
+        out = [f"{a}_lo, {a}_hi = {halves(a)}" for a in accs]
         body = []
         for a in accs:  # half is a constexpr: the branch is chosen as the loop is unrolled
             body += ["if half == 0:", f"    {a}_half = {a}_lo", "else:", f"    {a}_half = {a}_hi"]
@@ -991,6 +989,12 @@ class KernelWriter:
         if "n" in self.uneven:
             head.append("nmask = nindex < N")
         return head
+
+
+def halves(tile: str) -> str:
+    """A ``[BLOCK_M, BLOCK_N]`` tile split into its left and right halves along N (columns
+    0 .. BLOCK_N/2 and the rest), as Triton can without moving data between threads."""
+    return f"tl.split(tl.permute(tl.reshape({tile}, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))"
 
 
 def special_function(spec: KernelSpec) -> bool:
