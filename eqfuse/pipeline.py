@@ -131,9 +131,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     result["report"]["saturation"]["eclasses"] = sat.eclasses
     if started is not None:
         plan, source, infos, module, pending, configs = started
-        result.update(kernels=infos, source=source, plan=plan, module=module, launch=module.call_boxed,
-                      fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
-                      fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks],
+        result.update(_runnable(plan, source, infos, module),
                       complete=lambda: _complete(result, pending, configs, title, example_inputs,
                                                  captured.constants, key))
         return _rounded(result)
@@ -172,7 +170,6 @@ def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict):
     plan without kernels."""
     from .codegen.module import generate_module
     from .runtime.autotune import first_choices
-    from .runtime.cache import cache_key, load_module
     from .runtime.compiled import VERSION
     from .runtime.parallel_compile import Pending, module_launches
 
@@ -186,7 +183,7 @@ def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict):
     source, infos = generate_module(plan, title, VERSION, configs)
     seconds["codegen"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    module = load_module(cache_key(source, "cuda", VERSION, _triton_version()), source, interpret=False)
+    module = _load(source, "cuda")
     seconds["load"] = time.perf_counter() - t0
     pending = Pending(module_launches(module, infos, plan, list(example_inputs) + list(constants)))
     return plan, source, infos, module, pending, configs
@@ -202,7 +199,6 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     where none runs."""
     from .codegen.module import generate_module
     from .runtime.autotune import choose_configs
-    from .runtime.cache import cache_key, load_module
     from .runtime.compiled import VERSION
 
     report, plan = result["report"], result["plan"]
@@ -215,7 +211,7 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     changed = {}
     if configs != first:
         source, infos = generate_module(plan, title, VERSION, configs)
-        module = load_module(cache_key(source, "cuda", VERSION, _triton_version()), source, interpret=False)
+        module = _load(source, "cuda")
         changed = dict(source=source, kernels=infos, module=module, launch=module.call_boxed)
         result.update(changed)
     report["seconds"]["compile"] = round(outcome.seconds, 4)  # the pool's, mostly beside the build
@@ -232,23 +228,33 @@ def _finish(result: dict, plan, source: str, infos: list, captured, example_inpu
             tuning: dict) -> None:
     """The generated module loaded (and its kernels compiled, on a GPU): ``result`` made
     runnable. ``tuning``: what choosing the block sizes compiled (see _compile_kernels)."""
-    from .runtime.cache import cache_key, load_module
-    from .runtime.compiled import VERSION, FallbackInfo, make_fallback_runner
-
     device_type = result["device"].type
     seconds = result["report"]["seconds"]
     t0 = time.perf_counter()
-    module = load_module(cache_key(source, device_type, VERSION, _triton_version()), source,
-                         interpret=device_type != "cuda")
+    module = _load(source, device_type)
     seconds["load"] = time.perf_counter() - t0
     if device_type == "cuda" and infos:
         _compile_kernels(module, infos, plan, list(example_inputs) + list(captured.constants),
                          parallel, tuning, result["report"])
-    result.update(
-        kernels=infos, source=source, plan=plan, module=module, launch=module.call_boxed,
-        fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
-        fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks],
-    )
+    result.update(_runnable(plan, source, infos, module))
+
+
+def _load(source: str, device_type: str):
+    """The generated module, loaded (from eqfuse's module cache where it was before)."""
+    from .runtime.cache import cache_key, load_module
+    from .runtime.compiled import VERSION
+
+    return load_module(cache_key(source, device_type, VERSION, _triton_version()), source,
+                       interpret=device_type != "cuda")
+
+
+def _runnable(plan, source: str, infos: list, module) -> dict:
+    """The result's fields that run the plan: its module and kernels, its eager steps."""
+    from .runtime.compiled import FallbackInfo, make_fallback_runner
+
+    return dict(kernels=infos, source=source, plan=plan, module=module, launch=module.call_boxed,
+                fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
+                fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks])
 
 
 # The report's parts a plan cache entry keeps: what explain() prints of the build that made it.
