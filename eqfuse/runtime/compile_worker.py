@@ -113,7 +113,8 @@ def compile_job(job: dict, modules: dict) -> dict:
                             _env_vars=job["env_vars"])
     t1 = time.perf_counter()
     launcher = _build_launcher(kernel)
-    reply = {"hash": kernel.hash, "seconds": time.perf_counter() - t0, "launcher_seconds": time.perf_counter() - t1}
+    t2 = time.perf_counter()
+    reply = {"hash": kernel.hash, "seconds": t2 - t0, "launcher_seconds": t2 - t1}
     if kernel.hash != job.get("hash"):  # the JIT will not find it: say what made it differ
         backend = make_backend(GPUTarget(*job["target"]))
         options = backend.parse_options(dict(job["options"], **src.parse_options()))

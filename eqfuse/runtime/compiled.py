@@ -205,17 +205,15 @@ class _Variant:
         complete, self._complete = self._complete, None
         try:
             self.__dict__.update(complete())
+            return self._ready()
         except NoRunnableConfig as e:
             log.warning("eqfuse: graph runs in eager: %s", e)
-            self.__dict__.update(whole_graph_eager=True, fallbacks=[FallbackInfo("<graph>", str(e))])
-            self.report["note"] = f"whole graph runs in eager: {e}"
-            return self._run_eager()
+            eager = _eager_result(str(e))
         except Exception as e:  # a bug in eqfuse must not stop the user's program
             eager = _internal_error(e)
-            self.__dict__.update(whole_graph_eager=True, fallbacks=eager["fallbacks"])
-            self.report["note"] = eager["report"]["note"]
-            return self._run_eager()
-        self._ready()
+        self.__dict__.update(whole_graph_eager=True, fallbacks=eager["fallbacks"])
+        self.report["note"] = eager["report"]["note"]
+        self._run_eager()
 
     def _first_run(self, *inputs):
         self._first()
@@ -287,7 +285,11 @@ class _Variant:
 def _internal_error(e: Exception) -> dict:
     """A build's result where eqfuse failed: the whole graph in eager, with the reason."""
     log.warning("eqfuse: internal error, the graph runs in eager: %s: %s", type(e).__name__, e)
-    reason = f"internal error in eqfuse: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return _eager_result(f"internal error in eqfuse: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _eager_result(reason: str) -> dict:
+    """A build's result that runs the whole graph in eager, for ``reason``."""
     return {"whole_graph_eager": True, "fallbacks": [FallbackInfo("<graph>", reason)],
             "report": {"seconds": {}, "note": f"whole graph runs in eager: {reason}"}}
 
