@@ -1,5 +1,6 @@
 """torch.compile(..., backend="eqfuse"): forward and backward against eager."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -63,6 +64,19 @@ def test_options_reach_eqfuse():
     out = torch.compile(f, backend="eqfuse", options={"max_enodes": 5})(x)
     torch.testing.assert_close(out, f(x))
     assert "e-node limit" in eqfuse.backend.history[-1].report["saturation"]["stop_reason"]
+
+
+def test_training_graphs_replay_cuda_graphs_only_where_short_unless_asked():
+    def graphs_options(**options):
+        torch._dynamo.reset()
+        eqfuse.backend.history.clear()
+        x = torch.randn(4, 16, requires_grad=True)
+        torch.compile(lambda x: torch.relu(x * 2), backend="eqfuse", options=options)(x).sum().backward()
+        return [(g.options.cuda_graphs, g.options.cuda_graphs_under_us) for g in eqfuse.backend.history]
+    short = eqfuse.backend.TRAINING_GRAPHS_UNDER_US
+    assert graphs_options() == [(True, short), (True, short)]  # forward, backward
+    assert graphs_options(cuda_graphs=True) == [(True, float("inf"))] * 2
+    assert graphs_options(cuda_graphs=False) == [(False, float("inf"))] * 2
 
 
 def test_recompute_saves_fewer_values_with_the_same_gradients():
@@ -213,3 +227,27 @@ def test_training_with_symbolic_sizes_matches_eager(caplog):
                 torch.testing.assert_close(a, b)
     assert "symbolic sizes among its outputs runs uncompiled" in caplog.text
     assert len(eqfuse.backend.history) == 2 and all(h.kernels for h in eqfuse.backend.history)
+
+
+@pytest.mark.gpu
+def test_training_steps_replay_cuda_graphs_around_eager_attention():
+    """GPT-2's attention stays a fused eager op (cuDNN or flash) in training: with CUDA
+    graphs asked for, both graphs still record it and replay, and every step's
+    gradients match eager's (including steps whose gradients AccumulateGrad takes)."""
+    from eqfuse.models import GPT2Block
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = GPT2Block(hidden=64, heads=4).half()
+    x = torch.randn(2, 128, 64, dtype=torch.float16, requires_grad=True)
+    compiled = torch.compile(model, backend="eqfuse", options={"cuda_graphs": True, "autotune": False})
+    for _ in range(4):
+        ref_out, ref_grads = _grads(model, x)
+        out, grads = _grads(compiled, x)
+        torch.testing.assert_close(out, ref_out, rtol=2e-3, atol=2e-3)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
+    forward, backward = eqfuse.backend.history
+    assert forward.fallbacks and backward.fallbacks, backward.explain()  # the attention ops, in eager
+    for g in (forward, backward):
+        assert g._main.graphs.replays > 0, g._main.graphs.disabled

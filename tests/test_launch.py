@@ -124,3 +124,76 @@ def test_cuda_graphs_off_never_replays():
     for _ in range(3):
         assert_matches(compiled(x, y), scale_shift(x, y))
     assert compiled._main.graphs is None
+
+
+def _step(target, *args, **kwargs):
+    from eqfuse.schema.plan import FallbackStep
+    return FallbackStep("n", target, args, kwargs, "no kernel form", ["b"], False)
+
+
+def test_only_eager_steps_that_keep_to_the_stream_are_recorded():
+    from eqfuse.runtime.graphs import unrecordable
+    from eqfuse.schema.from_fx import EagerCall
+
+    aten = torch.ops.aten
+    cudnn = aten._scaled_dot_product_cudnn_attention.default
+    assert unrecordable([]) is None
+    assert unrecordable([_step(cudnn, "q", "k", "v", None, True)]) is None
+    assert unrecordable([_step(cudnn, "q", "k", "v", None, True, 0.0)]) is None
+    wrapped = EagerCall(cudnn, (None,) * 5, (), (None, None))  # with eager's layouts: the same op
+    assert unrecordable([_step(wrapped, "q", "k", "v", None, True)]) is None
+    assert "dropout" in unrecordable([_step(cudnn, "q", "k", "v", None, True, 0.1)])
+    flash = aten._scaled_dot_product_flash_attention.default
+    assert "dropout" in unrecordable([_step(flash, "q", "k", "v", dropout_p=0.5)])
+    reason = unrecordable([_step(aten.index_select.default, "x", 0, "i"), _step(aten.nonzero.default, "x")])
+    assert "nonzero" in reason and "wait for the GPU" in reason
+
+
+def _attention_with_lse(q, k, v):
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
+    return out * 2.0, lse + 1.0
+
+
+@gpu
+def test_graph_with_a_recordable_eager_step_replays():
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.float16) for _ in range(3))
+    compiled = eqfuse.compile(_attention_with_lse, (q, k, v))
+    assert compiled.fallbacks, compiled.explain()  # the fused op stays: its log-sum-exp is used
+    for _ in range(4):
+        assert_matches(compiled(q, k, v), _attention_with_lse(q, k, v))
+    assert compiled._main.graphs.replays > 0
+    q.copy_(torch.randn_like(q))  # a replay reads the inputs as they are now
+    assert_matches(compiled(q, k, v), _attention_with_lse(q, k, v))
+
+
+@gpu
+def test_graph_with_an_eager_step_that_may_sync_launches_kernel_by_kernel():
+    x = torch.randn(64, 100, device="cuda")
+    f = lambda x: torch.relu(x).cumsum(-1) * 2.0  # noqa: E731 - cumsum has no kernel form
+    compiled = eqfuse.compile(f, (x,))
+    assert compiled.fallbacks and compiled._main.graphs is None
+    assert "no CUDA graphs: its eager step" in compiled.explain()
+    for _ in range(3):
+        assert_matches(compiled(x), f(x))
+
+
+def _four_products(x, w1, w2, w3, w4):
+    return torch.relu(torch.relu(torch.relu(x @ w1) @ w2) @ w3) @ w4
+
+
+@gpu
+def test_an_input_that_moves_between_calls_is_copied_in():
+    """Weights stay, the batch is a new tensor each call: the batch is copied into the
+    recording's own buffer and the rest replays."""
+    ws = [torch.randn(256, 256, device="cuda") / 16 for _ in range(4)]
+    xs = [torch.randn(32, 256, device="cuda") for _ in range(5)]
+    compiled = eqfuse.compile(_four_products, (xs[0], *ws))
+    assert len(compiled.kernels) >= 4, compiled.explain()
+    for x in xs:
+        assert_matches(compiled(x, *ws), _four_products(x, *ws), contraction=True)
+    replayer = compiled._main.graphs
+    assert replayer.copied == (0,) and replayer.replays == len(xs) - 1
+    xs[-1].copy_(torch.randn_like(xs[-1]))  # a replay copies the input as it is now
+    assert_matches(compiled(xs[-1], *ws), _four_products(xs[-1], *ws), contraction=True)
+    w = torch.randn_like(ws[0])  # a weight that moves too: a new set of addresses
+    assert_matches(compiled(xs[0], w, *ws[1:]), _four_products(xs[0], w, *ws[1:]), contraction=True)

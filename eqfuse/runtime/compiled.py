@@ -15,6 +15,9 @@ from ..errors import EqfuseError
 from ..schema.plan import BufArg, FallbackStep
 
 VERSION = "0.1.0"
+# CUDA graphs: copying in inputs that move between calls (runtime/graphs.py) is worth it
+COPY_IN_SHARE = 0.1  # where it takes at most this share of the graph's modelled time
+LAUNCHES_PER_COPY = 4  # and each copy saves this many launches or more
 log = logging.getLogger("eqfuse")
 
 
@@ -35,6 +38,10 @@ class Options:
     autotune: bool = True
     validate: bool = True  # check the extracted plan against the graph on the example inputs
     cuda_graphs: bool = True  # replay launches from CUDA graphs when inputs come back at the same addresses
+    # ... for plans modelled to run under this many microseconds only: a long graph gains
+    # little from one launch, while its recordings keep their memory (the backend sets it
+    # for training graphs)
+    cuda_graphs_under_us: float = float("inf")
     # compile the kernels in a pool of worker processes before their first launch, not one
     # after the other as they are first launched (GPU only; EQFUSE_PARALLEL_COMPILE=0 turns it off)
     parallel_compile: bool = True
@@ -247,13 +254,23 @@ class _Variant:
         return self.launch(self.device, self.fallback_runners, [*inputs, *self.constants])
 
     def _graph_replayer(self):
-        from .graphs import GraphReplayer
+        from ..rewrite.cost import device_model
+        from .graphs import GraphReplayer, unrecordable
 
         if not (self.options.cuda_graphs and self.device.type == "cuda" and self.kernels):
             return None
-        if self.fallbacks:  # an eager step may synchronise or allocate on the host: not recordable
+        why = unrecordable(self.plan.fallbacks)
+        cost, limit = self.plan.cost, self.options.cuda_graphs_under_us
+        if cost >= limit:
+            why = f"modelled at {cost:.0f} us, past cuda_graphs_under_us ({limit:.0f})"
+        if why:
+            self.report["no_cuda_graphs"] = why
             return None
-        return GraphReplayer(self.run_kernels, tuple(self.constants))
+        # Inputs that move between calls are copied in where that costs little against the
+        # graph's modelled time (a copy reads and writes each byte) and its launches
+        copy_bytes = int(COPY_IN_SHARE * self.plan.cost * device_model().bandwidth_bytes_per_us / 2)
+        copy_count = len(self.plan.steps) // LAUNCHES_PER_COPY
+        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count)
 
     def explain(self) -> str:
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: "
@@ -277,6 +294,8 @@ class _Variant:
             lines.append(f"      computes FX nodes: {', '.join(k.fx_nodes) or '-'}")
         for f in self.fallbacks:
             lines.append(f"  eager: {f}")
+        if rep.get("no_cuda_graphs"):
+            lines.append(f"  no CUDA graphs: {rep['no_cuda_graphs']}")
         if rep.get("note"):
             lines.append(f"  note: {rep['note']}")
         return "\n".join(lines)

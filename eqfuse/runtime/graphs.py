@@ -5,7 +5,13 @@ addresses it was recorded with: the inputs' and those of every buffer it allocat
 recording serves only calls whose inputs live at the same addresses as when it was made
 (model weights, a static input buffer, a tensor reused in a loop): the first call with a
 set of addresses launches kernel by kernel, the second records. Calls with other
-addresses launch kernel by kernel, as without CUDA graphs; nothing is copied in.
+addresses launch kernel by kernel, as without CUDA graphs.
+
+Except for inputs that move from call to call while the rest stay (a training step's
+upstream gradient, a new batch beside the weights): where copying them costs little
+against the graph's own time (``copy_bytes``), they are copied into buffers of the
+recording before each replay. Which inputs those are is settled at the first recording,
+by comparing the call with the ones before it.
 
 A recording's outputs are its own buffers, which its next replay overwrites. So a
 recording is replayed only when the caller no longer holds any of its outputs (nor a view
@@ -25,9 +31,23 @@ import torch
 
 log = logging.getLogger("eqfuse")
 
+# Eager ops a recording may hold: each only launches kernels on the current stream, with
+# its memory from the caching allocator, and never waits for the GPU (an op that reads a
+# result on the host, such as nonzero or .item(), or one that draws random numbers, is not
+# here). The attention ops draw random numbers only for dropout: recordable without it.
+RECORDABLE_EAGER_OPS = frozenset({
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "embedding", "index_select", "gather",
+})
+
+_CONSTANTS = (type(None), bool, int, float)
+
 RECORDINGS_PER_ADDRESS_SET = 2
 ADDRESS_SETS = 4  # recorded per compiled variant; more addresses launch kernel by kernel
 SEEN_LIMIT = 64  # address sets remembered while waiting for a second sighting
+RECENT_CALLS = 4  # calls compared with the next one for inputs to copy in
 
 
 _storage_use_count = torch._C._storage_Use_Count
@@ -39,6 +59,7 @@ class _Recording:
     outputs: list  # the tensors every replay returns
     owned: list  # those of them in the recording's memory (not views of inputs)
     storages: list  # their storages
+    copied_inputs: list  # where the inputs that move between calls are copied before a replay
     alone: list | None = None  # reference counts when only the recording holds them: see seal()
     storage_handles: list = field(default_factory=list)  # the storages' C handles, read once
 
@@ -64,58 +85,135 @@ class _Recording:
         return self.references() == self.alone
 
 
+def unrecordable(steps) -> str | None:
+    """Why a graph with these eager steps (plan.FallbackStep) cannot be recorded, or None."""
+    for step in steps:
+        target = getattr(step.target, "target", step.target)  # from_fx.EagerCall wraps the op
+        name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+        if name not in RECORDABLE_EAGER_OPS:
+            return f"its eager step {step.node} ({name or target}) may wait for the GPU or allocate outside a recording"
+        if _argument(target, step, "dropout_p", 0.0):
+            return f"its eager step {step.node} draws random numbers (dropout)"
+    return None
+
+
+def _argument(op, step, name: str, default):
+    """The value ``step`` passes for the op's argument ``name`` (or its default)."""
+    if name in step.kwargs:
+        return step.kwargs[name]
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == name:
+            return step.args[i] if i < len(step.args) and not arg.kwarg_only else default
+    return default
+
+
 class GraphReplayer:
     """``replayer(inputs)`` returns what ``launch(*inputs)`` would (a flat list of tensors)."""
 
-    def __init__(self, launch: Callable, fixed_inputs: tuple = ()):
+    def __init__(self, launch: Callable, fixed_inputs: tuple = (), copy_bytes: int = 0, copy_count: int = 0):
         self.launch = launch
         self.fixed_inputs = fixed_inputs  # constants the graph also reads (their addresses never change)
+        self.copy_limits = (copy_count, copy_bytes)  # the most inputs, and bytes, a replay may copy in
+        self.copied: tuple = ()  # positions of the inputs copied in; settled at the first recording
+        self._kept: tuple | None = None  # the other positions, which key the recordings (None: all)
         self._recordings: dict[tuple, list[_Recording]] = {}
-        self._seen: set[tuple] = set()
+        self._seen: set[tuple] = set()  # keys of calls not recorded yet
+        self._recent: list[tuple] = []  # every input's address, for the last few calls before a recording
         self.disabled: str | None = None  # why this graph does not record, once it failed to
         self.replays = 0  # calls served by a replay (tests and benchmarks read it)
 
     def __call__(self, inputs: tuple) -> list:
         if self.disabled is not None or torch._C._cuda_isCurrentStreamCapturing():
             return self.launch(*inputs)  # inside the caller's own capture: just launch
-        key = tuple([x.data_ptr() for x in inputs])
+        ptrs = tuple([x.data_ptr() for x in inputs])
+        key = ptrs if self._kept is None else tuple([ptrs[i] for i in self._kept])
         recordings = self._recordings.get(key)
         if recordings is None:
-            if key not in self._seen or len(self._recordings) >= ADDRESS_SETS:
-                if len(self._seen) >= SEEN_LIMIT:
-                    self._seen.clear()
-                self._seen.add(key)
+            if len(self._recordings) >= ADDRESS_SETS or not self._second_sighting(key, ptrs, inputs):
                 return self.launch(*inputs)
+            key = ptrs if self._kept is None else tuple([ptrs[i] for i in self._kept])
             recordings = self._recordings[key] = []
         for rec in recordings:
             if rec.free():
-                rec.graph.replay()
-                self.replays += 1
-                return rec.outputs
+                return self._replay(rec, inputs)
         if len(recordings) < RECORDINGS_PER_ADDRESS_SET:
             rec = self._record(inputs)
             if rec is not None:
                 rec.seal()  # the recording's frame is gone: only ``rec`` holds the outputs
                 recordings.append(rec)
-                rec.graph.replay()
-                self.replays += 1
-                return rec.outputs
+                return self._replay(rec, inputs)
         return self.launch(*inputs)
 
+    def _replay(self, rec: _Recording, inputs) -> list:
+        for i, buffer in zip(self.copied, rec.copied_inputs):
+            buffer.copy_(inputs[i])
+        rec.graph.replay()
+        self.replays += 1
+        return rec.outputs
+
+    def _second_sighting(self, key: tuple, ptrs: tuple, inputs) -> bool:
+        """Whether a call at these addresses has come before (so it is worth recording),
+        taking its moving inputs to copy in if no recording has settled them yet."""
+        if key in self._seen:
+            return True
+        if not self._recordings and self.copy_limits[0]:
+            for before in self._recent:
+                moved = tuple(i for i, (a, b) in enumerate(zip(before, ptrs)) if a != b)
+                if _copyable(inputs, moved, *self.copy_limits):
+                    self._copy_in(moved, len(ptrs))
+                    return True
+            self._recent = [ptrs, *self._recent[:RECENT_CALLS - 1]]
+        if len(self._seen) >= SEEN_LIMIT:
+            self._seen.clear()
+        self._seen.add(key)
+        return False
+
+    def _copy_in(self, positions: tuple, count: int) -> None:
+        self.copied = positions
+        self._kept = tuple(i for i in range(count) if i not in positions)
+        self._seen = set()
+        self._recent = []
+
     def _record(self, inputs) -> _Recording | None:
+        copied_inputs = [torch.empty_like(inputs[i]).copy_(inputs[i]) for i in self.copied]
+        staged = list(inputs)
+        for i, buffer in zip(self.copied, copied_inputs):
+            staged[i] = buffer
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                outputs = self.launch(*inputs)
+                outputs = self.launch(*staged)
         except Exception as e:  # noqa: BLE001 - a graph that cannot be recorded still runs
             self.disabled = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log.warning("eqfuse: CUDA graph recording failed, launching kernel by kernel: %s", self.disabled)
             return None
-        if not all(isinstance(o, torch.Tensor) for o in outputs):
-            self.disabled = "an output is not a tensor"
+        # Besides tensors, a graph returns constants (None for a gradient that no input
+        # needs, sizes an attention op reports), the same on every call of one signature
+        odd = next((o for o in outputs if not isinstance(o, (torch.Tensor, *_CONSTANTS))), None)
+        if odd is not None:
+            self.disabled = f"an output is a {type(odd).__name__}"
+            return None
+        tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+        if {o.untyped_storage().data_ptr() for o in tensors} & {b.untyped_storage().data_ptr() for b in copied_inputs}:
+            self.disabled = "an output is a view of an input that moves between calls"
             return None
         caller_owned = {x.untyped_storage().data_ptr() for x in (*inputs, *self.fixed_inputs)}
         # An output that is a view of an input is the caller's memory, not the recording's.
-        owned = [o for o in outputs if o.untyped_storage().data_ptr() not in caller_owned]
+        owned = [o for o in tensors if o.untyped_storage().data_ptr() not in caller_owned]
         storages = list({o.untyped_storage().data_ptr(): o.untyped_storage() for o in owned}.values())
-        return _Recording(graph, list(outputs), owned, storages)
+        return _Recording(graph, list(outputs), owned, storages, copied_inputs=copied_inputs)
+
+
+def _copyable(inputs, positions: tuple, count: int, budget: int) -> bool:
+    """Whether the inputs at ``positions`` (some, not all) can be copied in: at most ``count``
+    of them and ``budget`` bytes, each into a buffer of its own strides (not an expanded or
+    overlapping view)."""
+    if not positions or len(positions) > count or len(positions) == len(inputs):
+        return False
+    total = 0
+    for i in positions:
+        x = inputs[i]
+        if not (x.is_contiguous() or torch.empty_like(x).stride() == x.stride()):
+            return False
+        total += x.numel() * x.element_size()
+    return total <= budget
