@@ -3,20 +3,19 @@
     python benchmarks/host_step_probe.py [gpt2|bert|llama] [--out probe.json]
 
 For eager, torch.compile and eqfuse (models.py's blocks and contenders, plus eqfuse with
-CUDA graphs on), the host's time to enqueue one step with the GPU kept busy (a spin
+CUDA graphs asked for on every graph), the host's time to enqueue one step with the GPU kept busy (a spin
 kernel first, so that the host never waits on it; median of five rounds of four steps),
 the step's median time as models.py measures it, and the peak memory of a step. Where
 the host's time exceeds the GPU's, the step's time follows the host's speed.
 
-What it found on an H100 (benchmarks/results/host-step-probe_...): every contender's
-step takes the host longer than the GPU. GPT-2 block B8 S1024: the host enqueues a step
-in 1.9 ms in eager, 2.5 under torch.compile and 2.7 under eqfuse (its kernels take
-1.25-1.3 ms), and the steps' times follow (1.6, 2.4 and 2.7 ms). BERT layer: 3.0, 2.5
-and 2.3 ms of host time, steps of 2.5, 2.3 and 2.0 ms; with CUDA graphs replaying its
-graphs (eqfuse+graphs; GPT-2's hold eager cuDNN attention steps and are not recorded)
-2.0 ms of host time and 1.6 ms steps. Earlier runs of a throwaway version on other
-H100 hosts gave 2.2-2.9 ms of host time for each contender: the host's speed, not the
-kernels, sets these steps' times.
+What it found on an H100 (benchmarks/results/host-step-probe_..., before training graphs
+replayed CUDA graphs): every contender's step takes the host longer than the GPU. GPT-2
+block B8 S1024: the host enqueues a step in 1.9 ms in eager, 2.5 under torch.compile and
+2.7 under eqfuse (its kernels take 1.25-1.3 ms), and the steps' times follow (1.6, 2.4
+and 2.7 ms). BERT layer: 3.0, 2.5 and 2.3 ms of host time, steps of 2.5, 2.3 and 2.0 ms.
+That is why the backend now has short training graphs replay CUDA graphs, attention
+steps included (eqfuse/backend.py); each row records how many calls each graph replayed
+and, where one did not record, why.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import torch  # noqa: E402
 from common import save_results  # noqa: E402
 from models import CONTENDERS, MODELS, step  # noqa: E402
 
+import eqfuse  # noqa: E402
 from eqfuse.bench import gpu_us  # noqa: E402
 
 
@@ -59,24 +59,32 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = make().to("cuda", torch.float16)
     inputs = make_inputs("cuda", torch.float16)
-    contenders = {"torch.compile": CONTENDERS["torch.compile"], "eqfuse": CONTENDERS["eqfuse"],
+    contenders = {"eager": None, "torch.compile": CONTENDERS["torch.compile"], "eqfuse": CONTENDERS["eqfuse"],
                   "eqfuse+graphs": {"backend": "eqfuse", "options": {"autotune": False, "cuda_graphs": True}}}
-    fns = {"eager": step(model, True)}
-    for name, kw in contenders.items():
-        torch._dynamo.reset()
-        fns[name] = step(torch.compile(model, **kw), True)
-        fns[name](*inputs)
     rows = []
-    for name, fn in fns.items():
-        for _ in range(3):
+    for name, kw in contenders.items():
+        # Each contender measured right after its compile: a dynamo reset for the next one
+        # would have it compile again, outside what graphs names
+        torch._dynamo.reset()
+        eqfuse.backend.history.clear()
+        fn = step(model if kw is None else torch.compile(model, **kw), True)
+        for _ in range(4):
             fn(*inputs)
+        graphs = list(eqfuse.backend.history)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         row = {"model": a.model, "contender": name, "host_us": round(host_us(fn, inputs), 1),
                "step_us": round(gpu_us(lambda f=fn: f(*inputs)), 1),
-               "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
+               "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+               "reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
+        if graphs:  # how many of its calls each graph served from a CUDA graph
+            replayers = [g._main.graphs for g in graphs]
+            row["replays"] = [r.replays if r else None for r in replayers]
+            row["not_recorded"] = [r.disabled if r else None for r in replayers]
+            row["modelled_us"] = [round(g._main.plan.cost, 1) for g in graphs]
         rows.append(row)
         print(row, flush=True)
+        del fn
     save_results(a.out, rows, dtype="float16")
     return 0
 
