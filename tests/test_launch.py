@@ -197,3 +197,29 @@ def test_an_input_that_moves_between_calls_is_copied_in():
     assert_matches(compiled(xs[-1], *ws), _four_products(xs[-1], *ws), contraction=True)
     w = torch.randn_like(ws[0])  # a weight that moves too: a new set of addresses
     assert_matches(compiled(xs[0], w, *ws[1:]), _four_products(xs[0], w, *ws[1:]), contraction=True)
+
+
+def test_only_inputs_that_do_not_overlap_themselves_are_copied_in():
+    from eqfuse.runtime.graphs import _copyable
+    x = torch.arange(68.0).reshape(4, 17)
+    inputs = (x[:, :-1], torch.zeros(3).expand(4, 3), x.t(), x)
+    assert _copyable(inputs, (0,), 2, 10**6) and _copyable(inputs, (2,), 2, 10**6)  # a slice, a transpose
+    assert not _copyable(inputs, (1,), 2, 10**6)  # expanded: its elements share addresses
+    assert not _copyable(inputs, (0, 2), 1, 10**6)  # more inputs than the graph's launches pay for
+    assert not _copyable(inputs, (0,), 2, 100)  # more bytes than the budget
+    assert not _copyable(inputs, (0, 1, 2, 3), 4, 10**6)  # every input moved: nothing stays to key on
+
+
+@gpu
+def test_an_input_returned_as_a_view_is_not_copied_in():
+    """The output must be a view of the caller's tensor, not of a recording's copy."""
+    def f(x, *ws):
+        return _four_products(x, *ws), x.t()
+    ws = [torch.randn(256, 256, device="cuda") / 16 for _ in range(4)]
+    xs = [torch.randn(32, 256, device="cuda") for _ in range(4)]
+    compiled = eqfuse.compile(f, (xs[0], *ws))
+    for x in xs:
+        out, view = compiled(x, *ws)
+        assert view.data_ptr() == x.data_ptr()
+        assert_matches(out, _four_products(x, *ws), contraction=True)
+    assert compiled._main.graphs.copied == () and compiled._main.graphs.disabled is None
