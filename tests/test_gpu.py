@@ -23,11 +23,11 @@ def test_example_on_gpu(name, cols, dtype):
         assert len(compiled.kernels) == ex.kernels
 
 
-def _matmul_with_impossible_first_choice(monkeypatch, also_rest: bool):
+def _matmul_with_impossible_first_choice(monkeypatch, also_rest: bool, huge=None):
     """The tile model's first choice (and, with ``also_rest``, every choice) needs more
     shared memory than any GPU has: Triton refuses it only when it compiles."""
     from eqfuse.codegen import tiles
-    huge = {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 512, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    huge = huge or {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 512, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     real = tiles.ranked
     monkeypatch.setattr(tiles, "ranked", lambda sched, *a: [huge] + ([] if also_rest else real(sched, *a)))
     x = torch.randn(256, 512, device="cuda", dtype=torch.float16)
@@ -50,8 +50,20 @@ def test_kernel_without_a_runnable_config_runs_in_eager_with_the_reason(monkeypa
     compiled = eqfuse.compile(fn, inputs, autotune=False)
     assert_matches(compiled(*inputs), fn(*inputs), contraction=True)
     (fallback,) = compiled.fallbacks
-    assert "runs with none of its 1 configurations" in fallback.reason
+    assert "runs with none of its 2 configurations" in fallback.reason  # the tile, then with one stage
     assert "OutOfResources" in fallback.reason
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_a_tile_short_of_shared_memory_runs_with_one_stage(monkeypatch, fresh_caches, autotune):
+    """512 KB staged over four stages, 128 KB with one: the last resort runs (fresh caches:
+    the choice a timed build stores would serve the tests above)."""
+    tile = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    fn, inputs, _ = _matmul_with_impossible_first_choice(monkeypatch, also_rest=True, huge=tile)
+    compiled = eqfuse.compile(fn, inputs, autotune=autotune)
+    assert_matches(compiled(*inputs), fn(*inputs), contraction=True)
+    (k,) = compiled.kernels
+    assert not compiled.fallbacks and k.launch["num_stages"] == 1 and k.constexprs["BLOCK_K"] == 256
 
 
 # --- parallel kernel compilation (eqfuse/runtime/parallel_compile.py) ---------------------------

@@ -531,3 +531,12 @@ def test_tile_model_terms(monkeypatch):
     apart = [_gpt2_product(16384, 11008, 4096), _gpt2_product(16384, 11008, 4096, tile_reads=1)]
     modelled = lambda sched: tiles.modelled_time_us(sched, tiles.ranked(sched)[0])  # noqa: E731
     assert modelled(dual) > sum(map(modelled, apart))
+
+
+def test_single_stage_last_resorts_are_new_pipelined_tiles():
+    from eqfuse.codegen.kernel import single_stage
+    a = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 4}
+    b = {**a, "num_stages": 3}
+    tma = {**a, "PROGRAMS": 132}
+    assert single_stage([a, b, tma]) == [{**a, "num_stages": 1}]  # once; never the TMA form
+    assert single_stage([a, {**a, "num_stages": 1}]) == []  # already among the candidates

@@ -1138,6 +1138,16 @@ def fallback_candidates(sched: Schedule) -> list[dict]:
     return tuning_candidates(sched)
 
 
+def single_stage(configs: list[dict]) -> list[dict]:
+    """The pipelined configurations among ``configs`` with one stage instead, each once."""
+    out = []
+    for cfg in configs:
+        one = {**cfg, "num_stages": 1}
+        if cfg.get("num_stages", 1) > 1 and "PROGRAMS" not in cfg and one not in configs and one not in out:
+            out.append(one)
+    return out
+
+
 @dataclass
 class Generated:
     text: str

@@ -153,9 +153,15 @@ def _try_configs(pending, chosen, plan, title, version, example_inputs, constant
         seconds += outcome.seconds
     for info, key in pending:
         runs, failure = [], ""
-        for i, cfg in enumerate(candidates[info.name]):
+        # Past the candidates, their tiles with one stage: an operand gathered from several
+        # reads can stage more shared memory than the tile model counts (TinyLM's backward:
+        # 434 KB asked on an H100), and one stage stages the least
+        last_resorts = kgen.single_stage(candidates[info.name])
+        for i, cfg in enumerate(candidates[info.name] + last_resorts):
+            if runs and (not measure or i >= len(candidates[info.name])):
+                break  # an untimed build takes the first that launches; a last resort only where none did
             candidate = prepared.get((info.name, i))
-            if candidate is None:  # a later choice of an untimed build: in a module of its own
+            if candidate is None:  # a later choice of an untimed build, or a last resort: in a module of its own
                 candidate = _prepare(plan, title, version, {**chosen, info.name: cfg}, info.name, tensors)
             t0 = time.perf_counter()
             launch, failure = _first_launch(candidate)
@@ -164,11 +170,10 @@ def _try_configs(pending, chosen, plan, title, version, example_inputs, constant
                 log.info("eqfuse: %s with %s does not run: %s", info.name, cfg, failure)
                 continue
             runs.append((cfg, launch))
-            if not measure:  # the first that launches
-                break
         if not runs:
             raise NoRunnableConfig(f"kernel {info.name} ({info.schedule.describe()}) runs with none of its "
-                                   f"{len(candidates[info.name])} configurations; the last said {failure}")
+                                   f"{len(candidates[info.name]) + len(last_resorts)} configurations; "
+                                   f"the last said {failure}")
         if not measure:
             chosen[info.name] = runs[0][0]
             continue

@@ -175,7 +175,7 @@ class GraphReplayer:
         self._recent = []
 
     def _record(self, inputs) -> _Recording | None:
-        copied_inputs = [torch.empty_like(inputs[i]).copy_(inputs[i]) for i in self.copied]
+        copied_inputs = [_like(inputs[i]) for i in self.copied]
         staged = list(inputs)
         for i, buffer in zip(self.copied, copied_inputs):
             staged[i] = buffer
@@ -195,7 +195,11 @@ class GraphReplayer:
             return None
         tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
         if {o.untyped_storage().data_ptr() for o in tensors} & {b.untyped_storage().data_ptr() for b in copied_inputs}:
-            self.disabled = "an output is a view of an input that moves between calls"
+            # An output is a view of an input that moves (a training forward saving its
+            # token ids): it must be the caller's, not our copy. Copy nothing then: record
+            # where every address comes back
+            self.copy_limits, self.copied, self._kept = (0, 0), (), None
+            self._recordings.clear()
             return None
         caller_owned = {x.untyped_storage().data_ptr() for x in (*inputs, *self.fixed_inputs)}
         # An output that is a view of an input is the caller's memory, not the recording's.
@@ -204,16 +208,28 @@ class GraphReplayer:
         return _Recording(graph, list(outputs), owned, storages, copied_inputs=copied_inputs)
 
 
+def _like(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` with its strides (the kernels were specialised to them)."""
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
 def _copyable(inputs, positions: tuple, count: int, budget: int) -> bool:
     """Whether the inputs at ``positions`` (some, not all) can be copied in: at most ``count``
-    of them and ``budget`` bytes, each into a buffer of its own strides (not an expanded or
-    overlapping view)."""
+    of them and ``budget`` bytes, none a view that overlaps itself (an expanded tensor),
+    which a copy could not be written into."""
     if not positions or len(positions) > count or len(positions) == len(inputs):
         return False
-    total = 0
-    for i in positions:
-        x = inputs[i]
-        if not (x.is_contiguous() or torch.empty_like(x).stride() == x.stride()):
+    if not all(_non_overlapping(inputs[i]) for i in positions):
+        return False
+    return sum(inputs[i].numel() * inputs[i].element_size() for i in positions) <= budget
+
+
+def _non_overlapping(x: torch.Tensor) -> bool:
+    """No two elements of ``x`` share an address: along its dims by increasing stride, each
+    stride reaches past every element of the dims inside it."""
+    reach = 0
+    for stride, size in sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1):
+        if stride <= reach:
             return False
-        total += x.numel() * x.element_size()
-    return total <= budget
+        reach += stride * (size - 1)
+    return True
