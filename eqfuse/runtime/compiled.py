@@ -268,7 +268,7 @@ class _Variant:
             return None
         # Inputs that move between calls are copied in where that costs little against the
         # graph's modelled time (a copy reads and writes each byte) and its launches
-        copy_bytes = int(COPY_IN_SHARE * self.plan.cost * device_model().bandwidth_bytes_per_us / 2)
+        copy_bytes = int(COPY_IN_SHARE * cost * device_model().bandwidth_bytes_per_us / 2)
         copy_count = len(self.plan.steps) // LAUNCHES_PER_COPY
         return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count)
 

@@ -87,24 +87,17 @@ class _Recording:
 
 def unrecordable(steps) -> str | None:
     """Why a graph with these eager steps (plan.FallbackStep) cannot be recorded, or None."""
+    from torch.fx.operator_schemas import normalize_function
+
     for step in steps:
         target = getattr(step.target, "target", step.target)  # from_fx.EagerCall wraps the op
         name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
         if name not in RECORDABLE_EAGER_OPS:
             return f"its eager step {step.node} ({name or target}) may wait for the GPU or allocate outside a recording"
-        if _argument(target, step, "dropout_p", 0.0):
+        arguments = normalize_function(target, step.args, step.kwargs, normalize_to_only_use_kwargs=True)
+        if arguments.kwargs.get("dropout_p"):
             return f"its eager step {step.node} draws random numbers (dropout)"
     return None
-
-
-def _argument(op, step, name: str, default):
-    """The value ``step`` passes for the op's argument ``name`` (or its default)."""
-    if name in step.kwargs:
-        return step.kwargs[name]
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.name == name:
-            return step.args[i] if i < len(step.args) and not arg.kwarg_only else default
-    return default
 
 
 class GraphReplayer:
@@ -126,13 +119,11 @@ class GraphReplayer:
         if self.disabled is not None or torch._C._cuda_isCurrentStreamCapturing():
             return self.launch(*inputs)  # inside the caller's own capture: just launch
         ptrs = tuple([x.data_ptr() for x in inputs])
-        key = ptrs if self._kept is None else tuple([ptrs[i] for i in self._kept])
-        recordings = self._recordings.get(key)
+        recordings = self._recordings.get(self._key(ptrs))
         if recordings is None:
-            if len(self._recordings) >= ADDRESS_SETS or not self._second_sighting(key, ptrs, inputs):
+            if len(self._recordings) >= ADDRESS_SETS or not self._second_sighting(ptrs, inputs):
                 return self.launch(*inputs)
-            key = ptrs if self._kept is None else tuple([ptrs[i] for i in self._kept])
-            recordings = self._recordings[key] = []
+            recordings = self._recordings[self._key(ptrs)] = []  # keyed anew: copying in may have just been settled
         for rec in recordings:
             if rec.free():
                 return self._replay(rec, inputs)
@@ -151,9 +142,14 @@ class GraphReplayer:
         self.replays += 1
         return rec.outputs
 
-    def _second_sighting(self, key: tuple, ptrs: tuple, inputs) -> bool:
+    def _key(self, ptrs: tuple) -> tuple:
+        """The addresses that key a recording: all, or those of the inputs not copied in."""
+        return ptrs if self._kept is None else tuple([ptrs[i] for i in self._kept])
+
+    def _second_sighting(self, ptrs: tuple, inputs) -> bool:
         """Whether a call at these addresses has come before (so it is worth recording),
         taking its moving inputs to copy in if no recording has settled them yet."""
+        key = self._key(ptrs)
         if key in self._seen:
             return True
         if not self._recordings and self.copy_limits[0]:
