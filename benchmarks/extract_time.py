@@ -1,15 +1,20 @@
-"""Extraction time of the Llama layer's forward and backward graphs, on the CPU.
+"""Extraction time of a model's forward and backward graphs, on the CPU.
 
-    python benchmarks/extract_time.py [--hidden 4096 --heads 32 --intermediate 11008
-        --seq 2048 --batch 8 --dtype float16] [--device meta] [--repeat 3] [--out results.json]
+    python benchmarks/extract_time.py [--model llama|gpt2|bert] [--inference]
+        [--hidden 4096 --heads 32 --intermediate 11008 --seq 2048 --batch 8]
+        [--dtype float16] [--device meta] [--repeat 3] [--out results.json]
 
-The layer (eqfuse.models.LlamaLayer) goes through torch.compile with an AOTAutograd
-backend whose compilers run eqfuse's steps up to the plan (capture, translate, saturate,
-serialise the e-graph, extract) and time each; the layer itself runs uncompiled. On the
-meta device (the default) nothing is computed, so the full size (batch 8, sequence 2048,
-hidden 4096) needs no memory: the graphs, shapes and dtypes, the e-graph and the plan
+The Llama layer (eqfuse.models.LlamaLayer, at the sizes given), or the GPT-2 block or
+BERT layer at the models benchmark's sizes (benchmarks/models.py), goes through
+torch.compile with an AOTAutograd backend whose compilers run eqfuse's steps up to the
+plan (capture, translate, saturate, serialise the e-graph, extract) and time each; the
+layer itself runs uncompiled. ``--inference`` traces the forward alone, under no_grad,
+as an inference compile does. On the meta device (the default) nothing is computed, so
+the full size needs no memory: the graphs, shapes and dtypes, the e-graph and the plan
 are those of a GPU compile, except that the cost model has the default device figures
-(no calibration without a GPU). Extraction runs ``--repeat`` times on each saturated
+(no calibration without a GPU). GPT-2's and BERT's SDPA is chosen per device (on
+meta the GPT-2 graph is not a GPU compile's): trace them with ``--device cpu``, whose
+graphs and plans match an H100 compile's. Extraction runs ``--repeat`` times on each saturated
 e-graph, in the compiling process (its heap is a compile's: the garbage collector's
 cost depends on it); the report gives the best and every run, the pipeline's "extract"
 phase (serialise + extract, as ``CompiledGraph.report`` counts it) and the plan.
@@ -67,6 +72,8 @@ def extraction_seconds(gm, example_inputs, repeat: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["llama", "gpt2", "bert"], default="llama")
+    ap.add_argument("--inference", action="store_true", help="the forward graph alone, under no_grad")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--intermediate", type=int, default=11008)
@@ -91,14 +98,26 @@ def main():
 
     dtype = getattr(torch, args.dtype)
     with torch.device(args.device):
-        model = LlamaLayer(hidden=args.hidden, heads=args.heads, intermediate=args.intermediate,
-                           max_seq=args.seq).to(dtype)
-        x = torch.randn(args.batch, args.seq, args.hidden, dtype=dtype, requires_grad=True)
-    out = torch.compile(model, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler))(x)
-    out.backward(torch.randn_like(out))
+        if args.model == "llama":
+            model = LlamaLayer(hidden=args.hidden, heads=args.heads, intermediate=args.intermediate,
+                               max_seq=args.seq).to(dtype)
+            inputs = (torch.randn(args.batch, args.seq, args.hidden, dtype=dtype),)
+            size = (f"Llama layer hidden {args.hidden}, {args.heads} heads, intermediate {args.intermediate}, "
+                    f"input {args.batch}x{args.seq}x{args.hidden}")
+        else:
+            from models import MODELS  # the models benchmark's blocks and sizes
+            make, make_inputs = MODELS[args.model]
+            model, inputs = make().to(dtype), make_inputs(args.device, dtype)
+            size = f"{args.model} block, input {'x'.join(map(str, inputs[0].shape))}"
+    size += f" {args.dtype} on {args.device}, {'inference' if args.inference else 'training'}"
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler))
+    if args.inference:
+        with torch.no_grad():
+            compiled(*inputs)
+    else:
+        out = compiled(inputs[0].requires_grad_(), *inputs[1:])
+        out.backward(torch.randn_like(out))
 
-    size = (f"Llama layer hidden {args.hidden}, {args.heads} heads, intermediate {args.intermediate}, "
-            f"input {args.batch}x{args.seq}x{args.hidden} {args.dtype} on {args.device}")
     print(size)
     print(f"{'graph':<10}{'e-nodes':>9}{'saturate s':>12}{'serialize s':>13}{'extract s (best)':>18}"
           f"{'runs':>24}{'kernels':>9}{'cost us':>11}")

@@ -126,6 +126,28 @@ def test_same_plan_when_the_writer_refuses_what_the_scheduler_takes(graphs, monk
     assert _plan(Extractor, view, tr)[0] != got[0]  # the refusals did change the plan
 
 
+@pytest.mark.parametrize("name", ["causal_attention", "llama_forward", "llama_backward"])
+def test_values_from_indices_alone_are_never_tried_stored(graphs, name, monkeypatch):
+    """A causal mask is recomputed by every kernel that reads it, so storing it only adds
+    a kernel whose buffer nobody reads: no trial plan of the search (evaluated against
+    the plan one move before) stores one, where it is not a graph output."""
+    view, tr = graphs[name]
+    ex = Extractor(view, tr)
+    tried = []
+    evaluate = Extractor._evaluate
+
+    def spy(self, order, M, host, memo, base=None):
+        if base is not None:
+            tried.append(set(M))
+        return evaluate(self, order, M, host, memo, base)
+    monkeypatch.setattr(Extractor, "_evaluate", spy)
+    ex.extract()
+    index_only = {c for c in ex.reachable(ex.roots()) if c in ex.kernel_of and ex._from_indices(c)}
+    index_only -= set(ex.roots())
+    assert index_only and tried
+    assert not any(M & index_only for M in tried)
+
+
 def test_kernels_know_their_walk(graphs):
     """Extraction hands each kernel the walk its builder made; it is the walk of its roots."""
     plan, _ = Extractor(*graphs["llama_backward"]).extract()

@@ -284,6 +284,11 @@ class Extractor:
         forced = set(roots) | {self.tensor_node[self.best[c].args[0]].args[0]
                                for c in order if self.best[c].op == "Load"}
         candidates = [c for c in order if c in self.kernel_of and c not in forced]
+        # A value computed from indices alone is recomputed by every kernel that needs it
+        # (_from_indices): storing it only adds a kernel whose buffer nobody reads, so the
+        # search never tries it (GPT-2's and Llama's masks and positions took a third of
+        # the repair's rounds, each weighing every class of the kernel being repaired).
+        movable = [c for c in candidates if not self._from_indices(c)]
         M, host = set(forced), {}
         memo: dict = {}
 
@@ -302,7 +307,8 @@ class Extractor:
         # Repair: materialise inside kernels the code generator cannot schedule.
         while state.invalid:
             bad = state.invalid[0]
-            inside = [c for c in state.inline_sets[bad] if c in self.kernel_of and c not in M]
+            inside = [c for c in state.inline_sets[bad]
+                      if c in self.kernel_of and c not in M and not self._from_indices(c)]
             if not inside:
                 def trial():
                     memo.clear()  # every kernel is built again from the new forms
@@ -320,7 +326,7 @@ class Extractor:
         # Improve: materialise or fuse one value at a time while the modelled time drops.
         for _ in range(3):
             improved = False
-            for c in candidates:
+            for c in movable:
                 trial_m = M - {c} if c in M else M | {c}
                 trial = acceptable(evaluate(trial_m, host, state))
                 if trial is not None:
