@@ -14,9 +14,7 @@ compile seconds with an empty Triton cache. Reported beside the depth the tile m
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-import os
 import tempfile
 import time
 
@@ -28,19 +26,10 @@ from triton import knobs
 from triton.testing import do_bench
 
 import eqfuse.backend
+from eqfuse.runtime.cache import cache_key, load_module
 from eqfuse.schema import ops
 
 DEPTHS = (2, 3, 4)
-
-
-def _module(source: str):
-    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False).name
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _buffer(b) -> torch.Tensor:
@@ -52,7 +41,7 @@ def _buffer(b) -> torch.Tensor:
 
 
 def probe_graph(graph, label: str) -> list[dict]:
-    module, rows = _module(graph.source), []
+    module, rows = load_module(cache_key(graph.source), graph.source, interpret=False), []
     for info in graph.kernels:
         launcher = getattr(module, f"{info.name}_launch", None)
         consts = dict(getattr(launcher, "constexprs", {}))

@@ -284,11 +284,6 @@ class Extractor:
         forced = set(roots) | {self.tensor_node[self.best[c].args[0]].args[0]
                                for c in order if self.best[c].op == "Load"}
         candidates = [c for c in order if c in self.kernel_of and c not in forced]
-        # A value computed from indices alone is recomputed by every kernel that needs it
-        # (_from_indices): storing it only adds a kernel whose buffer nobody reads, so the
-        # search never tries it (GPT-2's and Llama's masks and positions took a third of
-        # the repair's rounds, each weighing every class of the kernel being repaired).
-        movable = [c for c in candidates if not self._from_indices(c)]
         M, host = set(forced), {}
         memo: dict = {}
 
@@ -307,8 +302,7 @@ class Extractor:
         # Repair: materialise inside kernels the code generator cannot schedule.
         while state.invalid:
             bad = state.invalid[0]
-            inside = [c for c in state.inline_sets[bad]
-                      if c in self.kernel_of and c not in M and not self._from_indices(c)]
+            inside = [c for c in state.inline_sets[bad] if c in self.kernel_of and c not in M and self._storable(c)]
             if not inside:
                 def trial():
                     memo.clear()  # every kernel is built again from the new forms
@@ -326,7 +320,7 @@ class Extractor:
         # Improve: materialise or fuse one value at a time while the modelled time drops.
         for _ in range(3):
             improved = False
-            for c in movable:
+            for c in filter(self._storable, candidates):
                 trial_m = M - {c} if c in M else M | {c}
                 trial = acceptable(evaluate(trial_m, host, state))
                 if trial is not None:
@@ -584,6 +578,14 @@ class Extractor:
         label = (self.fx_names(root) or ["value"])[0]
         spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names))).known_walk(nodes)
         return spec, inline, loads, reads
+
+    def _storable(self, c) -> bool:
+        """Whether the search tries storing ``c``. Not a value computed from indices alone:
+        every kernel that needs it recomputes it (_from_indices), so storing it only adds a
+        kernel whose buffer nobody reads (GPT-2's and Llama's masks and positions took a
+        third of the repair's rounds, each weighing every class of the kernel repaired).
+        Asked as the search goes: a reroute may change a class's form."""
+        return not self._from_indices(c)
 
     def _from_indices(self, c) -> bool:
         """Whether ``c`` is computed from indices and constants alone (a causal mask): a
