@@ -51,7 +51,7 @@ def _compiler(options: dict):
             if _sizes_out(gm):
                 log.warning("eqfuse: graph with symbolic sizes among its outputs runs uncompiled")
                 return gm
-            runner = _PerShape(gm, compile_fn)
+            runner = _PerShape(gm, example_inputs, compile_fn, options)
         else:
             compiled = compile_fn(gm, example_inputs)
             if compiled is None:
@@ -82,17 +82,23 @@ def _sizes_out(gm: torch.fx.GraphModule) -> bool:
 
 
 class _PerShape:
-    """A graph with symbolic sizes, compiled for the sizes of each call: its size
-    arguments bound as constants, one compiled graph per set of sizes and tensor
-    signature, MAX_SHAPES at most; other calls run the graph as traced."""
+    """A graph with symbolic sizes. The first set of sizes it is called with is compiled
+    for those sizes; at the second, a sized module (runtime/sized_graph.py) is built, whose
+    kernels take the dynamic size at launch, and runs every size it accepts from then on.
+    Where there is none, each set of sizes and tensor signature is compiled on its own,
+    MAX_SHAPES at most; other calls run the graph as traced."""
 
-    def __init__(self, gm: torch.fx.GraphModule, compile_fn):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, compile_fn, options: dict):
         from .runtime.compiled import _boxed
 
         self.gm = gm
+        self.example_inputs = list(example_inputs)
         self.run_traced = _boxed(gm)
         self.compile_fn = compile_fn
+        self.options = options
         self.compiled: dict = {}  # (size arguments, tensor signature) -> compiled graph or None
+        self.sized = None  # the SizedGraph, once built; False where it could not be
+        self.first: dict | None = None  # the symbols' values at the first call
         self.warned = False
 
     def __call__(self, args: list):
@@ -103,19 +109,22 @@ class _PerShape:
         key = (sizes, _signature(tensors))
         compiled = self.compiled.get(key, False)
         if compiled is False:
+            if self.first is None:
+                from .runtime.sized_graph import symbol_values
+                self.first = symbol_values(self.example_inputs, sizes, tensors)
+            elif self.sized is None:
+                self.sized = self._sized(sizes, tensors)
+            if self.sized and self.sized.accepts(tensors):
+                args.clear()
+                return self.sized.call_boxed(tensors)
             compiled = self._compile(key, sizes, tensors)
         if compiled is None:
             return self.run_traced(args)
         args.clear()
         return compiled.call_boxed(tensors)
 
-    def _compile(self, key, sizes, tensors):
-        if len(self.compiled) >= MAX_SHAPES:
-            if not self.warned:
-                log.warning("eqfuse: graph with symbolic sizes met more than %d shapes: new ones run uncompiled",
-                            MAX_SHAPES)
-                self.warned = True
-            return None
+    def _bound(self, sizes):
+        """The graph with its size arguments ``sizes`` bound: a function of its tensors."""
         gm = self.gm
 
         def with_sizes(*tensors):
@@ -124,7 +133,42 @@ class _PerShape:
                 args.insert(i, a)
             return gm(*args)
         with_sizes.__name__ = getattr(gm, "__name__", type(gm).__name__)
-        self.compiled[key] = compiled = self.compile_fn(with_sizes, tensors)
+        return with_sizes
+
+    def _sized(self, sizes, tensors):
+        """The sized graph, built at this call's sizes with the block sizes the first
+        compile chose; False (with the reason logged) where there is none."""
+        from .codegen.sized import NotSized
+        from .errors import EqfuseError
+        from .runtime import sized_graph
+        from .runtime.compiled import Options
+
+        first = next((c for c in self.compiled.values() if c is not None), None)
+        configs = {}
+        for info in first.kernels if first is not None else ():
+            configs[info.name] = {**{k: v for k, v in info.constexprs.items() if k not in info.schedule.sizes},
+                                  **info.launch}
+        try:
+            sized = sized_graph.build(self._bound, self.example_inputs, self.first, sizes, tensors,
+                                      Options.make(**self.options), configs)
+        except (NotSized, EqfuseError) as e:
+            log.info("eqfuse: graph with symbolic sizes compiles per size: %s", e)
+            return False
+        except Exception as e:  # noqa: BLE001 - a bug in eqfuse: compile per size, as before
+            log.warning("eqfuse: sized module failed (%s: %s); compiling per size", type(e).__name__, e)
+            return False
+        log.info("eqfuse: graph with symbolic sizes runs one sized module for every size (built in %.1f s)",
+                 sized.seconds)
+        return sized
+
+    def _compile(self, key, sizes, tensors):
+        if len(self.compiled) >= MAX_SHAPES:
+            if not self.warned:
+                log.warning("eqfuse: graph with symbolic sizes met more than %d shapes: new ones run uncompiled",
+                            MAX_SHAPES)
+                self.warned = True
+            return None
+        self.compiled[key] = compiled = self.compile_fn(self._bound(sizes), tensors)
         return compiled
 
 

@@ -69,32 +69,10 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     # Imported after the lookup: extraction's imports (egglog, networkx) take 0.2-0.4 s, the
     # most of a process's first compile when its plan comes from the cache.
     from .codegen.module import generate_module
-    from .rewrite.egraph_json import serialize
-    from .rewrite.extract import Extractor
-    from .rewrite.saturate import Limits, saturate
     from .rewrite.validate import mismatch
-    from .schema.from_fx import translate
 
     def extract_plan():
-        t0 = time.perf_counter()
-        tr = translate(captured)
-        seconds["translate"] = time.perf_counter() - t0
-        limits = Limits(max_enodes=options.max_enodes, max_seconds=options.max_seconds)
-        sat = saturate(tr.egraph, limits, enabled=options.rules)
-        seconds["saturate"] = sat.seconds
-        t0 = time.perf_counter()
-        try:
-            view = serialize(tr.egraph)
-            sat.enodes, sat.eclasses = view.size()
-            plan, ext_report = Extractor(view, tr).extract()
-        finally:
-            # Dropped here, on the thread that made it: egglog's e-graph may only be freed on
-            # its own thread, and the translation sits in reference cycles that the garbage
-            # collector would break on whichever thread it runs (the autograd engine's compiles
-            # a backward graph; the main thread collects it).
-            _drop_egraph(tr)
-        seconds["extract"] = time.perf_counter() - t0
-        return plan, sat, ext_report
+        return _extract(captured, options, seconds)
 
     # A plan that fails validation, or an e-graph the parser finds inconsistent (egglog
     # 13.2 once mixed up string arguments between terms: see terms.py), is built once
@@ -152,6 +130,48 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     if key is not None:
         _store_plan(key, result)
     return _rounded(result)
+
+
+def _extract(captured, options, seconds: dict):
+    """Terms -> saturation -> extraction: (plan, saturation report, extraction report)."""
+    from .rewrite.egraph_json import serialize
+    from .rewrite.extract import Extractor
+    from .rewrite.saturate import Limits, saturate
+    from .schema.from_fx import translate
+
+    t0 = time.perf_counter()
+    tr = translate(captured)
+    seconds["translate"] = time.perf_counter() - t0
+    limits = Limits(max_enodes=options.max_enodes, max_seconds=options.max_seconds)
+    sat = saturate(tr.egraph, limits, enabled=options.rules)
+    seconds["saturate"] = sat.seconds
+    t0 = time.perf_counter()
+    try:
+        view = serialize(tr.egraph)
+        sat.enodes, sat.eclasses = view.size()
+        plan, ext_report = Extractor(view, tr).extract()
+    finally:
+        # Dropped here, on the thread that made it: egglog's e-graph may only be freed on
+        # its own thread, and the translation sits in reference cycles that the garbage
+        # collector would break on whichever thread it runs (the autograd engine's compiles
+        # a backward graph; the main thread collects it).
+        _drop_egraph(tr)
+    seconds["extract"] = time.perf_counter() - t0
+    return plan, sat, ext_report
+
+
+def plan_only(fn, example_inputs, options):
+    """The plan extracted for ``fn`` at its example inputs, and its capture (constants,
+    output structure): the build's CPU stages without validation, code or kernels.
+    Raises EqfuseError where the build would run the graph in eager."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from .frontend.capture import capture
+
+    captured = capture(fn, example_inputs)
+    with unset_fake_temporarily():
+        plan, _, _ = _extract(captured, options, {})
+    return plan, captured
 
 
 def _deferred(options, parallel: bool) -> bool:

@@ -167,39 +167,89 @@ def _relu_softmax(x, w):
     return torch.relu(x @ w).softmax(-1) * 2
 
 
-def test_symbolic_sizes_compile_for_each_shape():
+def _sized_graphs(monkeypatch) -> list:
+    """The sized graphs (runtime/sized_graph.py) the backend builds from here on."""
+    import eqfuse.runtime.sized_graph as sized_graph
+
+    made = []
+    build = sized_graph.build
+
+    def recorded(*args, **kwargs):
+        made.append(build(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(sized_graph, "build", recorded)
+    return made
+
+
+def test_one_compile_then_a_sized_module_runs_every_size(monkeypatch):
+    """The first size compiles as any graph; the second builds the sized module, whose
+    kernels take the dynamic size at launch: no compile for any size after."""
     torch._dynamo.reset()
     eqfuse.backend.history.clear()
+    sized = _sized_graphs(monkeypatch)
     w = torch.randn(16, 16)
     g = torch.compile(_relu_softmax, backend="eqfuse", dynamic=True)
-    for n in (5, 7, 9):
+    for n in (5, 7, 9, 33, 2, 7):  # (dynamo traces size 1 apart)
         x = torch.randn(n, 16)
         torch.testing.assert_close(g(x, w), _relu_softmax(x, w))
-    assert len(eqfuse.backend.history) == 3
-    assert all(h.kernels for h in eqfuse.backend.history)
+    assert len(eqfuse.backend.history) == 1 and eqfuse.backend.history[0].kernels
+    (graph,) = sized
+    source = graph.sized.source
+    # The matmul's M and the softmax's row count are arguments, not constexprs
+    assert "SIZE = in0.shape[0]" in source and "SizedLauncher(" in source
+    assert ", R, C: tl.constexpr" in source and ", M, N: tl.constexpr" in source
+    assert len(graph.sized.infos) == len(eqfuse.backend.history[0].kernels) == 2
 
 
-def test_a_second_shape_stays_compiled_under_automatic_dynamic_shapes():
-    # dynamo recompiles the graph with symbolic sizes at the second shape it meets
+def test_a_second_shape_stays_compiled_under_automatic_dynamic_shapes(monkeypatch):
+    # dynamo recompiles the graph with symbolic sizes at the second shape it meets: that
+    # one compiles, the third shape builds the sized module
     torch._dynamo.reset()
     eqfuse.backend.history.clear()
+    sized = _sized_graphs(monkeypatch)
     w = torch.randn(16, 16)
     g = torch.compile(_relu_softmax, backend="eqfuse")
-    for n in (5, 7, 9, 7):
+    for n in (5, 7, 9, 7, 12):
         x = torch.randn(n, 16)
         torch.testing.assert_close(g(x, w), _relu_softmax(x, w))
-    assert [bool(h.kernels) for h in eqfuse.backend.history] == [True, True, True]
+    assert [bool(h.kernels) for h in eqfuse.backend.history] == [True, True]
+    assert len(sized) == 1
+
+
+def test_sizes_of_two_dimensions_compile_per_shape(caplog):
+    # Both of x's dimensions change: a sized module follows one, so each shape compiles
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    g = torch.compile(_relu_softmax, backend="eqfuse", dynamic=True)
+    with caplog.at_level("INFO", logger="eqfuse"):
+        for n, k in ((5, 16), (7, 12), (9, 12)):
+            x, w = torch.randn(n, k), torch.randn(k, k)
+            torch.testing.assert_close(g(x, w), _relu_softmax(x, w))
+    assert "2 symbolic sizes changed since the first call" in caplog.text
+    assert len(eqfuse.backend.history) == 3
+
+
+def test_inputs_laid_out_otherwise_compile_for_themselves(monkeypatch):
+    """The sized module runs the layouts it was made for: a transposed input at a new
+    size is compiled for on its own, not read with the wrong strides."""
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    sized = _sized_graphs(monkeypatch)
+    w = torch.randn(16, 16)
+    g = torch.compile(lambda x, w: torch.relu(x * 2) @ w, backend="eqfuse", dynamic=True)
+    for x in (torch.randn(5, 16), torch.randn(7, 16), torch.randn(16, 9).t()):
+        torch.testing.assert_close(g(x, w), torch.relu(x * 2) @ w)
+    assert len(sized) == 1 and not sized[0].accepts([torch.randn(16, 9).t(), w])
 
 
 def test_shapes_past_the_limit_run_as_traced(monkeypatch, caplog):
     torch._dynamo.reset()
     eqfuse.backend.history.clear()
     monkeypatch.setattr(eqfuse.backend, "MAX_SHAPES", 1)
-    w = torch.randn(16, 16)
     g = torch.compile(_relu_softmax, backend="eqfuse", dynamic=True)
     with caplog.at_level("WARNING", logger="eqfuse"):
-        for n in (5, 7):
-            x = torch.randn(n, 16)
+        for n, k in ((5, 16), (7, 12)):  # two sizes change: no sized module
+            x, w = torch.randn(n, k), torch.randn(k, k)
             torch.testing.assert_close(g(x, w), _relu_softmax(x, w))
     assert len(eqfuse.backend.history) == 1
     assert "met more than 1 shapes: new ones run uncompiled" in caplog.text

@@ -140,6 +140,10 @@ class Schedule:
 
 MAX_GRID_Y = 65535
 
+# The sizes a kernel can take at launch (codegen/sized.py), by kind: those of the axes its
+# programs are laid out along, never one it reduces over or blocks in registers whole.
+RUNTIME_SIZES = {"pointwise": ("xnumel",), "reduction": ("R",), "matmul": ("M", "N")}
+
 
 def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
     if any(n.op == "reduce" for n in spec.walk()):
@@ -385,10 +389,13 @@ class Val:
 
 
 class KernelWriter:
-    def __init__(self, spec: KernelSpec, buffers: dict, sched: Schedule):
+    def __init__(self, spec: KernelSpec, buffers: dict, sched: Schedule, runtime: frozenset = frozenset()):
         self.spec = spec
         self.buffers = buffers
         self.s = sched
+        # Sizes passed at launch rather than fixed (codegen/sized.py): their axes are masked
+        # whatever the size the kernel was generated at, which may divide evenly by chance
+        self.runtime = runtime
         self.lines: list[str] = []  # kernel body at row scope
         self.loop: list[str] | None = None  # body of the loop being written
         self.memo_outer: dict = {}
@@ -897,7 +904,7 @@ class KernelWriter:
             if s.inner:
                 head += pointwise.head(s.numel, s.inner, cfg, self.uneven, self.index_dtype_cast)
             else:
-                if s.numel % cfg["XBLOCK"]:
+                if s.numel % cfg["XBLOCK"] or "xnumel" in self.runtime:
                     self.uneven["x"] = "xmask"
                 head.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
                 if "x" in self.uneven:
@@ -925,7 +932,7 @@ class KernelWriter:
             else:
                 head += tile
         else:
-            if s.rows % cfg["BLOCK_R"]:
+            if s.rows % cfg["BLOCK_R"] or "R" in self.runtime:
                 self.uneven["r"] = "rmask"
             if not (s.persistent and s.cols == cfg["BLOCK_C"]):
                 self.uneven["c"] = "cmask"
@@ -950,7 +957,7 @@ class KernelWriter:
                     self.store(root, buf, self.root_env(root))
                 if not s.persistent:
                     self.close_loop()
-        params = list(self.params) + [f"{k}: tl.constexpr" for k in s.sizes]
+        params = list(self.params) + [k if k in self.runtime else f"{k}: tl.constexpr" for k in s.sizes]
         params += [f"{k}: tl.constexpr" for k in cfg if k not in LAUNCH_OPTIONS]
         doc = ", ".join(self.spec.fx_nodes) or "(no FX node)"
         body = head + self.lines
@@ -966,7 +973,7 @@ class KernelWriter:
         s = self.s
         for axis, size, blk, name in (("m", s.m, "BLOCK_M", "mmask"), ("n", s.n, "BLOCK_N", "nmask"),
                                       ("k", s.k, "BLOCK_K", "kmask_a"), ("j", s.k, "BLOCK_K", "kmask_b")):
-            if size % cfg[blk]:
+            if size % cfg[blk] or axis.upper() in self.runtime:
                 self.uneven[axis] = name
         cast = self.index_dtype_cast
         persistent = "PROGRAMS" in cfg
@@ -1157,8 +1164,10 @@ class Generated:
     aligned: list  # those read or written through TMA descriptors: 16-byte aligned addresses only
 
 
-def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None) -> Generated:
-    """Source of one kernel, for ``cfg`` if it fits the kernel, else for the default."""
+def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
+                    runtime: frozenset = frozenset()) -> Generated:
+    """Source of one kernel, for ``cfg`` if it fits the kernel, else for the default.
+    ``runtime``: size names (``RUNTIME_SIZES``) passed at launch instead of as constexprs."""
     from .attention import spelled_out
     sched = schedule_of(spec)
     if sched.kind != "attention":
@@ -1167,9 +1176,10 @@ def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None) ->
         cfg = default_config(sched)
     if sched.kind == "attention":
         from .attention import AttentionWriter
+        assert not runtime, "attention kernels take their sizes as constexprs"
         w = AttentionWriter(spec, buffers, sched)
     else:
-        w = KernelWriter(spec, buffers, sched)
+        w = KernelWriter(spec, buffers, sched, runtime)
     text = w.write(cfg)
     return Generated(text, sched, cfg, w.params, [p for p in w.params if p in getattr(w, "tma_params", ())])
 

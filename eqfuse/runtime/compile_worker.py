@@ -31,6 +31,7 @@ import types
 STUBS = {
     "import torch": "torch = None",
     "from eqfuse.runtime.launch import KernelLauncher": "KernelLauncher = _eqfuse_stub",
+    "from eqfuse.runtime.launch import SizedLauncher": "SizedLauncher = _eqfuse_stub",
 }
 
 

@@ -156,3 +156,38 @@ class KernelLauncher:
         for t in tensors:
             bits = bits << 1 | (t.data_ptr() & 15 == 0)
         return bits
+
+
+class SizedLauncher:
+    """``launcher(size, *tensors)``: a kernel of a sized module (codegen/sized.py), whose
+    sizes along the graph's dynamic dimension are ``per_size[name] * size``. The kernel
+    takes those as runtime arguments, so every size runs the same compiled kernel (Triton
+    compiles one more where an argument's divisibility by 16 changes, as its JIT does for
+    any int). The grid is ``grid`` (formulas over the sizes, export.grid_formula) at that
+    size; each size gets its own KernelLauncher, made at its first launch."""
+
+    def __init__(self, fn, grid: list, sizes: dict, per_size: dict, args: tuple, *, aligned: int = 0,
+                 otherwise=None, **options):
+        self.fn = fn
+        self.grid = grid
+        self.sizes = sizes  # every name the grid or the kernel reads, at the size the module was made at
+        self.per_size = per_size
+        self.args = args  # the names passed to the kernel (sizes, block sizes), in its order
+        self.need = aligned
+        self.otherwise = otherwise
+        self.options = options
+        self._at: dict[int, KernelLauncher] = {}
+
+    def at(self, size: int) -> KernelLauncher:
+        launcher = self._at.get(size)
+        if launcher is None:
+            from ..export import evaluate_grid_formula
+            sizes = {**self.sizes, **{k: c * size for k, c in self.per_size.items()}}
+            otherwise = self.otherwise.at(size) if self.otherwise is not None else None
+            launcher = self._at[size] = KernelLauncher(
+                self.fn, evaluate_grid_formula(self.grid, sizes), {k: sizes[k] for k in self.args},
+                aligned=self.need, otherwise=otherwise, **self.options)
+        return launcher
+
+    def __call__(self, size: int, *tensors):
+        self.at(size)(*tensors)

@@ -487,11 +487,12 @@ def _aligned(t) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def module_launches(module, infos, plan, inputs) -> list:
+def module_launches(module, infos, plan, inputs, size: int | None = None) -> list:
     """``(launcher, args)`` for every kernel of a loaded generated module, as ``call`` will
     first launch it: buffers the module allocates are aligned, the graph's inputs (and
     constants) as the example inputs are. An eager step's output is taken to be aligned;
-    where it is not, the kernel that reads it compiles at its first launch."""
+    where it is not, the kernel that reads it compiles at its first launch. ``size``: a
+    sized module's launchers at that size (codegen/sized.py)."""
     from ..schema import ops
 
     aligned = {b.name: _aligned(t) for b, t in zip(plan.inputs, inputs)}
@@ -500,6 +501,8 @@ def module_launches(module, infos, plan, inputs) -> list:
         launcher = getattr(module, f"{info.name}_launch", None)
         if launcher is None:  # a zero-size kernel: never launched
             continue
+        if size is not None:
+            launcher = launcher.at(size)
         args = [Pointer(ops.DTYPES[plan.buffers[p].dtype], aligned.get(p, True)) for p in info.params]
         launches.append((launcher, args))
     return launches

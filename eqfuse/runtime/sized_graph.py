@@ -1,0 +1,137 @@
+"""A graph with one dynamic dimension, run at every size by one sized module.
+
+Dynamo hands over a graph with a symbolic size (``dynamic=True``, ``mark_dynamic``, or
+the second shape a function meets). eqfuse compiles it for the first size it is called
+with, as any graph. At the second, it builds the sized module (codegen/sized.py) from
+the graph's plans at that size and the next, with the block sizes the first build chose:
+its kernels take the dynamic size at launch, so every later size runs the kernels
+compiled once. Where there is no sized module (``NotSized``: a kernel whose text depends
+on the size, an eager step, more than one symbol), each size compiles on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+log = logging.getLogger("eqfuse")
+
+
+class SizedGraph:
+    """``call_boxed(tensors)`` at any size ``accepts`` takes: the sized module's ``call``
+    with the size read from the inputs."""
+
+    def __init__(self, sized, module, device, constants: list, finish, tf32: bool, seconds: float):
+        self.sized = sized
+        self.module = module
+        self.device = device
+        self.constants = constants
+        self.finish = finish
+        self.tf32 = tf32
+        self.seconds = seconds  # to build it: plans, code, kernels
+        self._layouts: dict[int, list] = {}
+
+    def accepts(self, tensors: list) -> bool:
+        """Whether ``tensors`` are the graph's inputs at a size the module runs: laid out
+        as it expects them at that size, within its bound, with TF32 as it was built."""
+        if torch._C._get_cublas_allow_tf32() != self.tf32:
+            return False
+        i, d = self.sized.size_input
+        if i >= len(tensors) or tensors[i].dim() <= d:
+            return False
+        size = tensors[i].shape[d]
+        if not 1 <= size <= self.sized.max_size:
+            return False
+        expected = self._layouts.get(size)
+        if expected is None:
+            expected = self._layouts[size] = self.sized.input_layouts(size)
+        given = [(tuple(t.shape), t.stride()) for t in list(tensors) + self.constants]
+        return given == expected
+
+    def call_boxed(self, tensors: list):
+        args = list(tensors) + self.constants
+        tensors.clear()
+        return self.finish(self.module.call_boxed(self.device, [], args))
+
+
+def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, configs: dict) -> SizedGraph:
+    """The sized graph of a graph with symbolic sizes, or NotSized/EqfuseError saying why
+    there is none. ``fn_at(sizes)``: the graph with its size arguments bound;
+    ``example_inputs``: dynamo's (symbolic); ``first``: the symbols' values at the first
+    call; ``sizes``, ``tensors``: this call's size arguments (position, value) and
+    tensors; ``configs``: block sizes by kernel name (the first call's build)."""
+    from ..codegen.sized import NotSized, sized_module
+    from ..pipeline import _load, _parallel, plan_only
+    from .compiled import VERSION, _unflattener
+
+    start = time.perf_counter()
+    values = symbol_values(example_inputs, sizes, tensors)
+    changed = [s for s, v in values.items() if first.get(s) != v]
+    if len(changed) != 1:
+        raise NotSized(f"{len(changed)} symbolic sizes changed since the first call "
+                       f"({', '.join(sorted(map(str, changed)))}); a sized module follows one")
+    symbol, = changed
+    value = values[symbol]
+    sizes_b, tensors_b = _at(example_inputs, sizes, tensors, {**values, symbol: value + 1})
+    plan_a, captured = plan_only(fn_at(sizes), tensors, options)
+    plan_b, _ = plan_only(fn_at(sizes_b), tensors_b, options)
+    del tensors_b
+    title = getattr(fn_at(sizes), "__name__", "graph")
+    plain = {name: {k: v for k, v in cfg.items() if k != "PROGRAMS"} for name, cfg in configs.items()}
+    sized = sized_module(plan_a, plan_b, value, title, VERSION, plain)
+    if not sized.infos:
+        raise NotSized("the graph has no kernels")
+    device = tensors[0].device
+    module = _load(sized.source, device.type)
+    constants = list(captured.constants)
+    if _parallel(options, tensors):
+        from .parallel_compile import module_launches, precompile
+        outcome = precompile(module_launches(module, sized.infos, plan_a, tensors + constants, size=value))
+        if outcome.note:
+            log.info("eqfuse: sized module: %s", outcome.note)
+    return SizedGraph(sized, module, device, constants, _unflattener(captured.out_spec),
+                      torch._C._get_cublas_allow_tf32(), time.perf_counter() - start)
+
+
+def symbol_values(example_inputs, sizes, tensors) -> dict:
+    """The value in this call of each symbol that is a size of its own (a tensor's
+    dimension, a size argument) in dynamo's example inputs."""
+    values = {}
+    tensor_inputs = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    for x, t in zip(tensor_inputs, tensors):
+        for d, s in enumerate(x.shape):
+            if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                values[s.node.expr] = int(t.shape[d])
+    for i, v in sizes:
+        x = example_inputs[i]
+        if isinstance(x, torch.SymInt) and x.node.expr.is_Symbol:
+            values[x.node.expr] = int(v)
+    return values
+
+
+def _symbolic_ints(x) -> list:
+    if isinstance(x, torch.SymInt):
+        return [x]
+    if isinstance(x, torch.Tensor):
+        return [s for s in (*x.shape, *x.stride()) if isinstance(s, torch.SymInt)]
+    return []
+
+
+def _at(example_inputs, sizes, tensors, values: dict) -> tuple:
+    """This call's size arguments and tensors with the symbols at ``values`` (new tensors,
+    uninitialised, where a shape or stride follows them)."""
+    def concrete(s):
+        return int(s.node.expr.subs(values)) if isinstance(s, torch.SymInt) else int(s)
+
+    new_sizes = tuple((i, concrete(example_inputs[i])) for i, _ in sizes)
+    tensor_inputs = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    new_tensors = []
+    for x, t in zip(tensor_inputs, tensors):
+        if _symbolic_ints(x):
+            new_tensors.append(torch.empty_strided([concrete(s) for s in x.shape], [concrete(s) for s in x.stride()],
+                                                   dtype=t.dtype, device=t.device))
+        else:
+            new_tensors.append(t)
+    return new_sizes, new_tensors
