@@ -58,3 +58,20 @@ def test_llama_layer_with_a_dynamic_batch_compiles_once():
             torch.testing.assert_close(g(x), model(x), rtol=1e-4, atol=1e-5)
     (graph,) = eqfuse.backend.history
     assert any(k.schedule.kind == "attention" for k in graph.kernels), graph.explain()
+
+
+@pytest.mark.gpu
+def test_llama_layer_with_a_dynamic_batch_on_the_gpu():
+    """The sized module's kernels compiled in the pool at the second batch, launched at
+    others (each size its own grid), fp16 against eager."""
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = LlamaLayer(hidden=256, heads=4, intermediate=512, max_seq=128).cuda().half()
+    g = torch.compile(model, backend="eqfuse")
+    with torch.no_grad():
+        for batch in (2, 3, 5, 8):
+            x = torch.randn(batch, 128, 256, device="cuda", dtype=torch.half)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(g(x), model(x), rtol=2e-2, atol=2e-2)
+    assert len(eqfuse.backend.history) == 1

@@ -708,6 +708,11 @@ class KernelWriter:
             shape, strides, tile = [*b.shape], [b.stride, 1], [*block]
             if b.batch:
                 shape, strides, tile = [b.batch[1], *shape], [b.batch[0], *strides], [1, *tile]
+            # An extent that is a size taken at launch is that size (a sized module: the
+            # descriptor of x in x @ W, [M, K], follows the batch). Where an extent only
+            # equals it by chance, the module at the next size tells (codegen/sized.py).
+            named = {v: k for k, v in (("N", self.s.n), ("M", self.s.m)) if k in self.runtime}
+            shape = [named.get(v, v) for v in shape]
             self.descriptor_lines.append(
                 f"{name} = tl.make_tensor_descriptor({base}, shape=[{', '.join(map(str, shape))}], "
                 f"strides=[{', '.join(map(str, strides))}], block_shape=[{', '.join(map(str, tile))}])")

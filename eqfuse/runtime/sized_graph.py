@@ -79,8 +79,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     plan_b, _ = plan_only(fn_at(sizes_b), tensors_b, options)
     del tensors_b
     title = getattr(fn_at(sizes), "__name__", "graph")
-    plain = {name: {k: v for k, v in cfg.items() if k != "PROGRAMS"} for name, cfg in configs.items()}
-    sized = sized_module(plan_a, plan_b, value, title, VERSION, plain)
+    sized = sized_module(plan_a, plan_b, value, title, VERSION, configs)
     if not sized.infos:
         raise NotSized("the graph has no kernels")
     device = tensors[0].device
