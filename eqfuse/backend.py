@@ -7,10 +7,12 @@ both. A graph eqfuse cannot compile runs as AOTAutograd traced it, with a one-li
 warning: the user's program never fails because of the compiler.
 
 Sizes are compile-time constants in eqfuse's kernels. A graph dynamo hands over with
-symbolic sizes (``dynamic=True``, or its second shape under automatic dynamic shapes)
-is compiled for each set of sizes it is called with, up to MAX_SHAPES of them; past
-that, and where its outputs hold sizes (a training forward saving them for its
-backward), it runs as traced.
+symbolic sizes (``dynamic=True``, ``mark_dynamic``, or its second shape under automatic
+dynamic shapes) is compiled for the first set of sizes it is called with; at the second,
+a sized module (codegen/sized.py), whose kernels take the dynamic size at launch, is
+built to run every size after. Where there is none, each set of sizes compiles on its
+own, up to MAX_SHAPES of them; past that, and where its outputs hold sizes (a training
+forward saving them for its backward), it runs as traced.
 """
 
 from __future__ import annotations
