@@ -98,7 +98,9 @@ class _PerShape:
         self.run_traced = _boxed(gm)
         self.compile_fn = compile_fn
         self.options = options
-        self.compiled: dict = {}  # (size arguments, tensor signature) -> compiled graph or None
+        # (size arguments, tensor signature) -> compiled graph, the sized graph, or None
+        self.compiled: dict = {}
+        self.compiles = 0  # graphs compiled for one set of sizes (MAX_SHAPES at most)
         self.sized = None  # the SizedGraph, once built; False where it could not be
         self.first: dict | None = None  # the symbols' values at the first call
         self.warned = False
@@ -117,9 +119,9 @@ class _PerShape:
             elif self.sized is None:
                 self.sized = self._sized(sizes, tensors)
             if self.sized and self.sized.accepts(tensors):
-                args.clear()
-                return self.sized.call_boxed(tensors)
-            compiled = self._compile(key, sizes, tensors)
+                compiled = self.compiled[key] = self.sized  # the key holds all accepts reads
+            else:
+                compiled = self._compile(key, sizes, tensors)
         if compiled is None:
             return self.run_traced(args)
         args.clear()
@@ -146,10 +148,7 @@ class _PerShape:
         from .runtime.compiled import Options
 
         first = next((c for c in self.compiled.values() if c is not None), None)
-        configs = {}
-        for info in first.kernels if first is not None else ():
-            configs[info.name] = {**{k: v for k, v in info.constexprs.items() if k not in info.schedule.sizes},
-                                  **info.launch}
+        configs = {info.name: info.config for info in (first.kernels if first is not None else ())}
         try:
             sized = sized_graph.build(self._bound, self.example_inputs, self.first, sizes, tensors,
                                       Options.make(**self.options), configs)
@@ -164,12 +163,13 @@ class _PerShape:
         return sized
 
     def _compile(self, key, sizes, tensors):
-        if len(self.compiled) >= MAX_SHAPES:
+        if self.compiles >= MAX_SHAPES:
             if not self.warned:
                 log.warning("eqfuse: graph with symbolic sizes met more than %d shapes: new ones run uncompiled",
                             MAX_SHAPES)
                 self.warned = True
             return None
+        self.compiles += 1
         self.compiled[key] = compiled = self.compile_fn(self._bound(sizes), tensors)
         return compiled
 

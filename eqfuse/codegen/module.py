@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eqfuse.runtime.launch import KernelLauncher
+from eqfuse.runtime.launch import {launcher}
 
 '''
 
@@ -50,6 +50,12 @@ class KernelInfo:
 
     def __repr__(self):
         return f"KernelInfo({self.name}, fx_nodes={self.fx_nodes}, grid={self.grid}, {self.constexprs})"
+
+    @property
+    def config(self) -> dict:
+        """The configuration the kernel was generated with (kernel_info's ``cfg``): its
+        constexprs beyond the sizes, and its launch options."""
+        return {**{k: v for k, v in self.constexprs.items() if k not in self.schedule.sizes}, **self.launch}
 
 
 def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
@@ -103,10 +109,11 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
 
 
 def assemble(title: str, version: str, infos: list, launcher_line, args: list, body: list, rets: list,
-             imports: str = "KernelLauncher") -> str:
-    """The module's text: the kernels, each with its launcher (``launcher_line(info)``),
-    then ``call`` and ``call_boxed`` running ``body`` and returning ``rets``."""
-    parts = [HEADER.format(version=version, title=title).replace("import KernelLauncher", f"import {imports}")]
+             launcher: str = "KernelLauncher") -> str:
+    """The module's text: the kernels, each with its launcher (``launcher_line(info)``, of
+    class ``launcher``), then ``call`` and ``call_boxed`` running ``body`` and returning
+    ``rets``."""
+    parts = [HEADER.format(version=version, title=title, launcher=launcher)]
     for info in infos:
         for k in ((info.fallback, info) if info.fallback is not None else (info,)):
             parts.append(k.source)

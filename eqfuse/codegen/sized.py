@@ -83,6 +83,16 @@ def sized_module(plan_a: Plan, plan_b: Plan, n: int, title: str, version: str, c
     # (a batch, B0 ..., is the grid's only: the kernel never sees it)
     infos = [kernel_info(k, plan_a.buffers, configs.get(k.name), frozenset(runtime[k.name]) & _launchable(k))
              for k in kernels_a]
+    if plan_a.buffers.keys() != plan_b.buffers.keys():
+        raise NotSized(f"the plans differ: other buffers at size {n + 1} than at {n}")
+    largest = max(per_size(b.numel, plan_b.buffers[name].numel, n, f"buffer {name}'s element count")
+                  for name, b in plan_a.buffers.items())
+    formulas = {}
+    for info in infos:
+        for k in (info, info.fallback) if info.fallback is not None else (info,):
+            formulas[k.name] = grid_formula(k)
+            if formulas[k.name] is None:
+                raise NotSized(f"kernel {k.name}: its grid is not a formula over its sizes")
     inputs = _inputs(plan_a, plan_b, n)
     size_input = next(((i, d) for i, (_, (shape, _)) in enumerate(inputs) for d, c in enumerate(shape) if c == 1),
                       None)
@@ -98,20 +108,12 @@ def sized_module(plan_a: Plan, plan_b: Plan, n: int, title: str, version: str, c
     scales.update({info.fallback.name: runtime[info.name] for info in infos if info.fallback is not None})
 
     def launcher_line(info: KernelInfo) -> str:
-        formula = grid_formula(info)
         sizes = {**info.constexprs, **grid_sizes(info)}
-        return (f"{info.name}_launch = SizedLauncher({info.name}, {formula!r}, {sizes!r}, "
+        return (f"{info.name}_launch = SizedLauncher({info.name}, {formulas[info.name]!r}, {sizes!r}, "
                 f"{scales[info.name]!r}, {tuple(info.constexprs)!r}, {launch_options(info)})")
 
-    for info in infos:
-        if grid_formula(info) is None or (info.fallback is not None and grid_formula(info.fallback) is None):
-            raise NotSized(f"kernel {info.name}: its grid is not a formula over its sizes")
     source = assemble(f"{title} (sized: every size of one dimension)", version, infos, launcher_line,
-                      [b.name for b in plan_a.inputs], body, rets, imports="SizedLauncher")
-    if plan_a.buffers.keys() != plan_b.buffers.keys():
-        raise NotSized(f"the plans differ: other buffers at size {n + 1} than at {n}")
-    largest = max(per_size(b.numel, plan_b.buffers[name].numel, n, f"buffer {name}'s element count")
-                  for name, b in plan_a.buffers.items())
+                      [b.name for b in plan_a.inputs], body, rets, launcher="SizedLauncher")
     return SizedModule(source, infos, size_input, (2**31 - 1) // max(largest, 1), inputs)
 
 
@@ -150,7 +152,7 @@ def _inputs(plan_a: Plan, plan_b: Plan, n: int) -> list:
     for a, b in zip(plan_a.inputs, plan_b.inputs):
         if len(a.shape) != len(b.shape):
             raise NotSized(f"input {a.name} has another rank at size {n + 1}")
-        pairs = [(x, y) for x, y in zip(tuple(a.shape) + tuple(a.layout), tuple(b.shape) + tuple(b.layout))]
+        pairs = list(zip(tuple(a.shape) + tuple(a.layout), tuple(b.shape) + tuple(b.layout)))
         per = [per_size(x, y, n, f"input {a.name}'s shape and strides") for x, y in pairs]
         fixed = [x - c * n for (x, _), c in zip(pairs, per)]
         r = len(a.shape)

@@ -21,7 +21,8 @@ log = logging.getLogger("eqfuse")
 
 class SizedGraph:
     """``call_boxed(tensors)`` at any size ``accepts`` takes: the sized module's ``call``
-    with the size read from the inputs."""
+    with the size read from the inputs. ``accepts`` reads only what the backend's key for
+    a call holds (shapes, strides, TF32), so the backend asks once per key."""
 
     def __init__(self, sized, module, device, constants: list, finish, tf32: bool, seconds: float):
         self.sized = sized
@@ -31,7 +32,6 @@ class SizedGraph:
         self.finish = finish
         self.tf32 = tf32
         self.seconds = seconds  # to build it: plans, code, kernels
-        self._layouts: dict[int, list] = {}
 
     def accepts(self, tensors: list) -> bool:
         """Whether ``tensors`` are the graph's inputs at a size the module runs: laid out
@@ -44,11 +44,8 @@ class SizedGraph:
         size = tensors[i].shape[d]
         if not 1 <= size <= self.sized.max_size:
             return False
-        expected = self._layouts.get(size)
-        if expected is None:
-            expected = self._layouts[size] = self.sized.input_layouts(size)
         given = [(tuple(t.shape), t.stride()) for t in list(tensors) + self.constants]
-        return given == expected
+        return given == self.sized.input_layouts(size)
 
     def call_boxed(self, tensors: list):
         args = list(tensors) + self.constants
@@ -75,10 +72,11 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     symbol, = changed
     value = values[symbol]
     sizes_b, tensors_b = _at(example_inputs, sizes, tensors, {**values, symbol: value + 1})
-    plan_a, captured = plan_only(fn_at(sizes), tensors, options)
+    fn = fn_at(sizes)
+    plan_a, captured = plan_only(fn, tensors, options)
     plan_b, _ = plan_only(fn_at(sizes_b), tensors_b, options)
     del tensors_b
-    title = getattr(fn_at(sizes), "__name__", "graph")
+    title = getattr(fn, "__name__", "graph")
     sized = sized_module(plan_a, plan_b, value, title, VERSION, configs)
     if not sized.infos:
         raise NotSized("the graph has no kernels")
