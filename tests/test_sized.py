@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import eqfuse.backend
-from eqfuse.codegen.sized import NotSized, _merged, per_size, sized_module
+from eqfuse.codegen import kernel
+from eqfuse.codegen.module import generate_module
+from eqfuse.codegen.sized import NotSized, _merged, far_size, per_size, sized_module
 from eqfuse.models import LlamaLayer
 from eqfuse.pipeline import plan_only
 from eqfuse.runtime.compiled import Options
@@ -26,21 +28,39 @@ def test_what_is_not_proportional_is_named(a, b, why):
         _merged([a], [b], 6)
 
 
-def _llama_plans(shape_a, shape_b):
+def test_numbers_are_compared_between_any_two_sizes():
+    assert per_size(40, 83, 40, "x", 83) == 1 and per_size(2560, 5312, 40, "x", 83) == 64
+    with pytest.raises(NotSized, match="20 at size 40 and 41 at size 83"):
+        per_size(20, 41, 40, "x", 83)  # n // 2: equal at 40 and 41, not at 83
+
+
+def _llama_plans(*shapes):
     torch.manual_seed(0)
     model = LlamaLayer()
 
     def forward(x):
         with torch.no_grad():
             return model(x)
-    return [plan_only(forward, [torch.randn(*s)], Options())[0] for s in (shape_a, shape_b)]
+    return [plan_only(forward, [torch.randn(*s)], Options())[0] for s in shapes]
 
 
-def test_a_sequence_in_the_kernels_index_arithmetic_is_not_sized():
-    # The attention reads q, k and v at strides of the sequence length: text, not an argument
-    a, b = _llama_plans((2, 5, 64), (2, 6, 64))
-    with pytest.raises(NotSized, match="is written otherwise at size 6 than at 5"):
-        sized_module(a, b, 5, "llama", "test", {})
+def test_a_sequence_length_becomes_an_argument_of_the_kernels():
+    """The attention reads q, k and v at strides of the sequence length, and the matmuls
+    split their rows into batch and position by it: numbers in the kernels' text, written
+    over SIZE, which the kernels take at launch."""
+    plans = _llama_plans((2, 5, 64), (2, 6, 64), (2, far_size(5), 64))
+    configs = {info.name: info.config for info in generate_module(_llama_plans((2, 5, 64))[0], "t", "t")[1]}
+    sized = sized_module(list(zip((5, 6, far_size(5)), plans)), "llama", "test", configs)
+    (attention,) = [i for i in sized.infos if i.schedule.kind == "attention"]
+    assert ", SIZE, M, N, D: tl.constexpr" in attention.source
+    assert "(bindex // 4) * (64 * SIZE)" in attention.source and "SIZE = in0.shape[1]" in sized.source
+
+
+def test_plans_that_need_a_configuration_per_size_are_not_sized():
+    # Without the first build's configurations the tile model picks blocks by size
+    plans = _llama_plans((2, 16, 64), (2, 17, 64), (2, far_size(16), 64))
+    with pytest.raises(NotSized, match="BLOCK_M is 16 at size 16 and 32 at size 17"):
+        sized_module(list(zip((16, 17, far_size(16)), plans)), "llama", "test", {})
 
 
 def test_llama_layer_with_a_dynamic_batch_compiles_once():
@@ -60,6 +80,73 @@ def test_llama_layer_with_a_dynamic_batch_compiles_once():
     assert any(k.schedule.kind == "attention" for k in graph.kernels), graph.explain()
 
 
+def test_llama_layer_with_a_dynamic_sequence_compiles_once():
+    """mark_dynamic on the sequence: one compile, then the sized module at every length,
+    the causal attention's rows and keys taken at launch, its skipped tiles as before."""
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = LlamaLayer()
+    g = torch.compile(model, backend="eqfuse")
+    with torch.no_grad():
+        for seq in (16, 17, 23, 40, 64):
+            x = torch.randn(2, seq, 64)
+            torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(g(x), model(x), rtol=1e-4, atol=1e-5)
+    (graph,) = eqfuse.backend.history
+    (attention,) = [k for k in graph.kernels if k.schedule.kind == "attention"]
+    assert attention.schedule.band is not None  # the causal mask's tiles are skipped
+
+
+def _halves(x):
+    return x[:, : x.shape[1] // 2] * 2
+
+
+def test_a_size_that_is_not_a_multiple_of_the_symbol_compiles_per_size(caplog):
+    # x.shape[1] // 2 is 8 at sizes 16 and 17: the far size shows it follows the size
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    g = torch.compile(_halves, backend="eqfuse")
+    with caplog.at_level("INFO", logger="eqfuse"):
+        for n in (12, 16, 17, 40):
+            x = torch.randn(3, n, 8)
+            torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(g(x), _halves(x))
+    assert "xnumel is 192 at size 16 and 408 at size 35, not proportional" in caplog.text
+    assert len(eqfuse.backend.history) == 4
+
+
+def _windowed_attention(q, k, v):
+    """Causal attention over the last 20 keys."""
+    i = torch.arange(q.shape[-2])
+    keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 20)
+    scores = (q @ k.transpose(-1, -2)) * 0.25
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def test_a_window_wider_than_the_sizes_compared_is_not_sized():
+    """At 6, 7 and the far size the window of 20 keys is all of them: the mask looks
+    causal there (its band has no lower edge), but drops keys at 200. The mask's 20 says
+    so."""
+    sizes = (6, 7, far_size(6))
+    plans = [plan_only(_windowed_attention, [torch.randn(2, n, 16) for _ in range(3)], Options())[0] for n in sizes]
+    assert kernel.schedule_of(plans[0].kernels[0]).band == (-5, 0)
+    with pytest.raises(NotSized, match="its mask compares indices with 20"):
+        sized_module(list(zip(sizes, plans)), "window", "test", {})
+
+
+def test_windowed_attention_with_a_dynamic_sequence_matches_eager():
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    g = torch.compile(_windowed_attention, backend="eqfuse")
+    for n in (5, 6, 30, 200):
+        q, k, v = (torch.randn(2, n, 16) for _ in range(3))
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 1)
+        torch.testing.assert_close(g(q, k, v), _windowed_attention(q, k, v), rtol=1e-4, atol=1e-5)
+    assert all(k.schedule.kind == "attention" for h in eqfuse.backend.history for k in h.kernels)
+
+
 @pytest.mark.gpu
 def test_llama_layer_with_a_dynamic_batch_on_the_gpu():
     """The sized module's kernels compiled in the pool at the second batch, launched at
@@ -73,5 +160,20 @@ def test_llama_layer_with_a_dynamic_batch_on_the_gpu():
         for batch in (2, 3, 5, 8):
             x = torch.randn(batch, 128, 256, device="cuda", dtype=torch.half)
             torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(g(x), model(x), rtol=2e-2, atol=2e-2)
+    assert len(eqfuse.backend.history) == 1
+
+
+@pytest.mark.gpu
+def test_llama_layer_with_a_dynamic_sequence_on_the_gpu():
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = LlamaLayer(hidden=256, heads=4, intermediate=512, max_seq=512).cuda().half()
+    g = torch.compile(model, backend="eqfuse")
+    with torch.no_grad():
+        for seq in (128, 129, 200, 256, 333, 512):
+            x = torch.randn(2, seq, 256, device="cuda", dtype=torch.half)
+            torch._dynamo.mark_dynamic(x, 1)
             torch.testing.assert_close(g(x), model(x), rtol=2e-2, atol=2e-2)
     assert len(eqfuse.backend.history) == 1

@@ -440,8 +440,8 @@ class AttentionWriter(KernelWriter):
     """Writes the streamed form; the score, value and epilogue expressions are the
     ordinary ones, evaluated at the environments below."""
 
-    def __init__(self, spec, buffers, sched):
-        super().__init__(spec, buffers, sched)
+    def __init__(self, spec, buffers, sched, runtime: frozenset = frozenset()):
+        super().__init__(spec, buffers, sched, runtime)
         self.loop_axes = frozenset("nj")
         self.flows = streams(spec)
         self.scores = self.flows[0].args[0]
@@ -651,7 +651,7 @@ class AttentionWriter(KernelWriter):
                   "d": (s.d, "BLOCK_D"), "e": (s.k, "BLOCK_E"), "f": (s.k, "BLOCK_E")}
         sizes = {**cfg, **s.sizes}
         for axis, (size, blk) in blocks.items():
-            if blk in sizes and size % sizes[blk]:
+            if blk in sizes and (size % sizes[blk] or {"j": "N"}.get(axis, axis.upper()) in self.runtime):
                 self.uneven[axis] = f"{axis}mask"
         cast = self.index_dtype_cast
         out = ["pid_m = tl.program_id(0)",

@@ -141,8 +141,9 @@ class Schedule:
 MAX_GRID_Y = 65535
 
 # The sizes a kernel can take at launch (codegen/sized.py), by kind: those of the axes its
-# programs are laid out along, never one it reduces over or blocks in registers whole.
-RUNTIME_SIZES = {"pointwise": ("xnumel",), "reduction": ("R",), "matmul": ("M", "N")}
+# programs are laid out along, and attention's keys, which it walks in a loop; never one it
+# reduces over in registers or blocks whole.
+RUNTIME_SIZES = {"pointwise": ("xnumel",), "reduction": ("R",), "matmul": ("M", "N"), "attention": ("M", "N")}
 
 
 def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
@@ -1181,8 +1182,7 @@ def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
         cfg = default_config(sched)
     if sched.kind == "attention":
         from .attention import AttentionWriter
-        assert not runtime, "attention kernels take their sizes as constexprs"
-        w = AttentionWriter(spec, buffers, sched)
+        w = AttentionWriter(spec, buffers, sched, runtime)
     else:
         w = KernelWriter(spec, buffers, sched, runtime)
     text = w.write(cfg)

@@ -1,21 +1,26 @@
 """A sized module: one generated module for every size of a graph's dynamic dimension.
 
 eqfuse's plans are made for the sizes they were traced at. A graph whose dimension dynamo
-marked dynamic (a batch, a sequence) gets two plans, at sizes n and n + 1 of that
-dimension, generated with the same kernel configurations. Where the two modules differ
-only in numbers proportional to the size (``c * n`` against ``c * (n + 1)``: a buffer's
-extent, a stride, a kernel's row count), they are one module, written for the size
-``SIZE`` read from an input at each call. Its kernels take those sizes as runtime
-arguments (``RUNTIME_SIZES``: the axes programs are laid out along, masked at every size)
-and its buffers, views and grids are computed from ``SIZE``. Anything else that differs
-(a kernel's text, a number not proportional to the size, a kernel's configuration, a
-different plan) and there is no sized module: ``NotSized`` says where, and the graph is
-compiled for each size instead.
+marked dynamic (a batch, a sequence) gets plans at three sizes of that dimension, n,
+n + 1 and a far one, generated with the same kernel configurations. Where the modules
+differ only in numbers proportional to the size (``c * n`` against ``c * (n + 1)``: a
+buffer's extent, a stride, a kernel's row count, a divisor that splits a row index into
+sequence and batch), they are one module, written for the size ``SIZE`` read from an input
+at each call. Its kernels take the sizes of the axes their programs are laid out along at
+launch (``RUNTIME_SIZES``, masked at every size), and ``SIZE`` itself where a number in
+their text follows it; buffers, views and grids are computed from ``SIZE``. Anything else
+that differs (a kernel's text, a number not proportional to the size, a kernel's
+configuration, a different plan) and there is no sized module: ``NotSized`` says where, and
+the graph is compiled for each size instead.
 
-Why two consecutive sizes: a choice made from a size that comes out the same at n and
-n + 1 for ``c * n`` comes out the same at every size (both dividing evenly by a block
-means c does), and what two sizes cannot show (whether 32-bit indices suffice) is a
-bound on the size, ``max_size``.
+Why these sizes: a choice made from ``c * n`` that comes out the same at n and n + 1 comes
+out the same at every size (both dividing evenly by a block means c does). But code
+generation also looks at values (which keys a causal mask leaves a row, whether an index
+below the size divided by 64 is 0), and what such an analysis finds at n and n + 1 may hold
+there only: the far size (``far_size``) is where it would show. A threshold beyond all
+three (a sliding window wider than the sizes seen) cannot show; an attention kernel whose
+mask compares indices with a number that large is not sized. What sizes cannot show at all
+(whether 32-bit indices suffice) is a bound on the size, ``max_size``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import tokenize
 from dataclasses import dataclass
 
 from ..export import grid_formula, grid_sizes
+from ..schema import ops
 from ..schema.plan import FallbackStep, Plan
 from . import kernel as kgen
 from .module import KernelInfo, assemble, call_lines, kernel_info, launch_options, prepare
@@ -33,7 +39,7 @@ SIZE = "SIZE"
 
 
 class NotSized(Exception):
-    """The two plans are not one plan at two sizes: why, in a line."""
+    """The plans are not one plan at several sizes: why, in a line."""
 
 
 @dataclass
@@ -50,42 +56,70 @@ class SizedModule:
                 for base, step in self.inputs]
 
 
-def per_size(a: int, b: int, n: int, what: str) -> int:
-    """``c`` where ``a`` and ``b`` are ``c * n`` and ``c * (n + 1)``; 0 where they are equal."""
+def far_size(n: int) -> int:
+    """The third size a sized module is checked at: past twice n, odd."""
+    return 2 * n + 3
+
+
+def per_size(a: int, b: int, n: int, what: str, m: int | None = None) -> int:
+    """``c`` where ``a`` and ``b`` are ``c * n`` and ``c * m`` (m defaults to n + 1); 0
+    where they are equal."""
+    m = n + 1 if m is None else m
     if a == b:
         return 0
-    c = b - a
-    if c > 0 and a == c * n:
+    c, rest = divmod(b - a, m - n)
+    if c > 0 and not rest and a == c * n:
         return c
-    raise NotSized(f"{what} is {a} at size {n} and {b} at size {n + 1}, not proportional to the size")
+    raise NotSized(f"{what} is {a} at size {n} and {b} at size {m}, not proportional to the size")
 
 
-def sized_module(plan_a: Plan, plan_b: Plan, n: int, title: str, version: str, configs: dict) -> SizedModule:
-    """The module for every size, from ``plan_a`` at size ``n`` and ``plan_b`` at ``n + 1``
-    (both rewritten by code generation's ``prepare``). Raises NotSized."""
-    for plan in (plan_a, plan_b):
+def sized_module(samples: list, title: str, version: str, configs: dict) -> SizedModule:
+    """The module for every size, from ``samples``: (size, plan) pairs, the first the
+    size the module is made at, each other one compared with it; all must give the same
+    module. The plans are rewritten by code generation's ``prepare``. Raises NotSized."""
+    for _, plan in samples:
         prepare(plan)
         steps = [s for s in plan.steps if isinstance(s, FallbackStep)]
         if steps:
             raise NotSized(f"an eager step ({steps[0].node}) runs with the sizes it was traced at")
+    (n, plan_a), *others = samples
+    made = [_merged_module(plan_a, plan_x, n, m, title, version, configs) for m, plan_x in others]
+    for (m, _), module in zip(others[1:], made[1:]):
+        if module.source != made[0].source:
+            raise NotSized(f"the module made from sizes {n} and {m} is not the one made from {n} and {others[0][0]}: "
+                           f"{_first_difference(made[0].source, module.source)}")
+    return made[0]
+
+
+def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, version: str,
+                   configs: dict) -> SizedModule:
+    """The module for every size from the plans at sizes ``n`` and ``m``."""
     kernels_a, kernels_b = plan_a.kernels, plan_b.kernels
     if [k.name for k in kernels_a] != [k.name for k in kernels_b]:
         raise NotSized(f"the plans differ: kernels {[k.name for k in kernels_a]} at size {n}, "
-                       f"{[k.name for k in kernels_b]} at size {n + 1}")
-    runtime = {}
+                       f"{[k.name for k in kernels_b]} at size {m}")
+    infos, scales = [], {}
     for ka, kb in zip(kernels_a, kernels_b):
-        # Compared with every size the kernel could take at launch masked, as it will be
-        # where that size follows the dynamic one
-        cfg, may = configs.get(ka.name), _launchable(ka)
-        a, b = kernel_info(ka, plan_a.buffers, cfg, may), kernel_info(kb, plan_b.buffers, cfg, may)
-        runtime[ka.name] = _runtime_sizes(a, b, n, may)
-    # The kernels as they will run: the sizes that follow the dynamic one taken at launch
-    # (a batch, B0 ..., is the grid's only: the kernel never sees it)
-    infos = [kernel_info(k, plan_a.buffers, configs.get(k.name), frozenset(runtime[k.name]) & _launchable(k))
-             for k in kernels_a]
+        cfg = configs.get(ka.name)
+        # The sizes that follow the dynamic one, from the kernel as the tile model writes it
+        scaled = _runtime_sizes(kernel_info(ka, plan_a.buffers, cfg), kernel_info(kb, plan_b.buffers, cfg), n, m,
+                                _launchable(ka))
+        # The kernels as they will run: those sizes taken at launch, masked at every size (a
+        # batch, B0 ..., is the grid's only: the kernel never sees it)
+        runtime = frozenset(scaled) & _launchable(ka)
+        a = kernel_info(ka, plan_a.buffers, cfg, runtime)
+        b = kernel_info(kb, plan_b.buffers, cfg, runtime)
+        if a.launch != b.launch or (a.fallback is None) != (b.fallback is None):
+            raise NotSized(f"kernel {a.name} is configured otherwise at size {m} than at {n}")
+        for x, y in ((a, b), (a.fallback, b.fallback)) if a.fallback is not None else ((a, b),):
+            x.source, takes_size = _merged_kernel(x, y, n, m)
+            scales[x.name] = {**scaled, SIZE: 1} if takes_size else scaled
+        if runtime & {"M", "N"} and a.schedule.kind == "attention":
+            _check_band(ka, n)
+        infos.append(a)
     if plan_a.buffers.keys() != plan_b.buffers.keys():
-        raise NotSized(f"the plans differ: other buffers at size {n + 1} than at {n}")
-    largest = max(per_size(b.numel, plan_b.buffers[name].numel, n, f"buffer {name}'s element count")
+        raise NotSized(f"the plans differ: other buffers at size {m} than at {n}")
+    largest = max(per_size(b.numel, plan_b.buffers[name].numel, n, f"buffer {name}'s element count", m)
                   for name, b in plan_a.buffers.items())
     formulas = {}
     for info in infos:
@@ -93,24 +127,25 @@ def sized_module(plan_a: Plan, plan_b: Plan, n: int, title: str, version: str, c
             formulas[k.name] = grid_formula(k)
             if formulas[k.name] is None:
                 raise NotSized(f"kernel {k.name}: its grid is not a formula over its sizes")
-    inputs = _inputs(plan_a, plan_b, n)
+    inputs = _inputs(plan_a, plan_b, n, m)
     size_input = next(((i, d) for i, (_, (shape, _)) in enumerate(inputs) for d, c in enumerate(shape) if c == 1),
                       None)
     if size_input is None:
         raise NotSized("no input has the dynamic size as a dimension of its own")
     body_a, rets_a = call_lines(plan_a, infos, SIZE)
     body_b, rets_b = call_lines(plan_b, infos, SIZE)
-    body = _merged(body_a, body_b, n)
-    rets = _merged(rets_a, rets_b, n)
+    body = _merged(body_a, body_b, n, m)
+    rets = _merged(rets_a, rets_b, n, m)
     arg, dim = plan_a.inputs[size_input[0]].name, size_input[1]
     body.insert(0, f"{SIZE} = {arg}.shape[{dim}]")
-    scales = {info.name: runtime[info.name] for info in infos}
-    scales.update({info.fallback.name: runtime[info.name] for info in infos if info.fallback is not None})
 
     def launcher_line(info: KernelInfo) -> str:
         sizes = {**info.constexprs, **grid_sizes(info)}
+        args = tuple(info.constexprs)
+        if SIZE in scales[info.name]:
+            sizes[SIZE], args = n, args + (SIZE,)
         return (f"{info.name}_launch = SizedLauncher({info.name}, {formulas[info.name]!r}, {sizes!r}, "
-                f"{scales[info.name]!r}, {tuple(info.constexprs)!r}, {launch_options(info)})")
+                f"{scales[info.name]!r}, {args!r}, {launch_options(info)})")
 
     source = assemble(f"{title} (sized: every size of one dimension)", version, infos, launcher_line,
                       [b.name for b in plan_a.inputs], body, rets, launcher="SizedLauncher")
@@ -125,19 +160,16 @@ def _launchable(spec) -> frozenset:
     return frozenset(kgen.RUNTIME_SIZES.get(sched.kind, ()))
 
 
-def _runtime_sizes(a: KernelInfo, b: KernelInfo, n: int, may: frozenset) -> dict:
+def _runtime_sizes(a: KernelInfo, b: KernelInfo, n: int, m: int, may: frozenset) -> dict:
     """The kernel's sizes that follow the dynamic dimension (name -> per unit of size), of
-    the kernel at ``n`` (``a``) and at ``n + 1`` (``b``); NotSized where the kernel
-    differs otherwise."""
-    if a.source != b.source or a.launch != b.launch or (a.fallback is None) != (b.fallback is None) or \
-            (a.fallback is not None and a.fallback.source != b.fallback.source):
-        raise NotSized(f"kernel {a.name} is written otherwise at size {n + 1} than at {n}")
+    the kernel at ``n`` (``a``) and at ``m`` (``b``); NotSized where one of them is a size
+    the kernel cannot take at launch."""
     sizes_a, sizes_b = grid_sizes(a), grid_sizes(b)
     if sizes_a.keys() != sizes_b.keys():
-        raise NotSized(f"kernel {a.name} has other sizes at size {n + 1} than at {n}")
+        raise NotSized(f"kernel {a.name} has other sizes at size {m} than at {n}")
     scaled = {}
     for name, va in sizes_a.items():
-        c = per_size(va, sizes_b[name], n, f"kernel {a.name}'s {name}")
+        c = per_size(va, sizes_b[name], n, f"kernel {a.name}'s {name}", m)
         if c and not (name in may or name.startswith("B") and name[1:].isdigit()):
             raise NotSized(f"kernel {a.name} ({a.schedule.describe()}): {name} follows the dynamic size, "
                            "which it cannot take at launch")
@@ -146,41 +178,89 @@ def _runtime_sizes(a: KernelInfo, b: KernelInfo, n: int, may: frozenset) -> dict
     return scaled
 
 
-def _inputs(plan_a: Plan, plan_b: Plan, n: int) -> list:
+def _merged_kernel(a: KernelInfo, b: KernelInfo, n: int, m: int) -> tuple[str, bool]:
+    """The kernel's source for every size, from its sources at ``n`` (``a``) and ``m``, and
+    whether it takes SIZE: a number in the text that follows the size (a stride of a
+    sequence, a divisor splitting a row index into batch and position) is written over
+    SIZE, which the kernel then takes as an argument after its tensors."""
+    if a.source == b.source:
+        return a.source, False
+    lines = _merged(a.source.split("\n"), b.source.split("\n"), n, m, f"kernel {a.name}")
+    head = f"def {a.name}({', '.join(a.params)}, "
+    at = next(i for i, line in enumerate(lines) if line.startswith(head))
+    lines[at] = head + f"{SIZE}, " + lines[at][len(head):]
+    return "\n".join(lines), True
+
+
+def _check_band(spec, n: int) -> None:
+    """An attention kernel whose rows or keys follow the size skips the tiles its mask
+    removes as found at the sizes compared (attention.masked_band). Where the mask compares
+    indices with a number at least as large as those sizes (a sliding window), what it
+    removes at larger sizes was never seen: not sized."""
+    from .attention import streams
+
+    if kgen.schedule_of(spec).band is None:
+        return
+    for node in _static_parts(streams(spec)[0].args[0]):
+        if node.op == "const" and not ops.is_float(node.dtype) and abs(int(node.attrs[0])) >= n:
+            raise NotSized(f"kernel {spec.name}: its mask compares indices with {node.attrs[0]}, "
+                           f"past the sizes it was compared at ({n})")
+
+
+def _static_parts(node) -> list:
+    """The nodes of the subtrees under ``node`` made of indices and constants only."""
+    inner = list(node.walk())
+    if all(x.op not in ("load", "dot") for x in inner):
+        return inner
+    return [x for a in node.args for x in _static_parts(a)]
+
+
+def _inputs(plan_a: Plan, plan_b: Plan, n: int, m: int) -> list:
     """Each input's (shape, strides) at size 0 and per unit of size."""
     out = []
     for a, b in zip(plan_a.inputs, plan_b.inputs):
         if len(a.shape) != len(b.shape):
-            raise NotSized(f"input {a.name} has another rank at size {n + 1}")
+            raise NotSized(f"input {a.name} has another rank at size {m}")
         pairs = list(zip(tuple(a.shape) + tuple(a.layout), tuple(b.shape) + tuple(b.layout)))
-        per = [per_size(x, y, n, f"input {a.name}'s shape and strides") for x, y in pairs]
+        per = [per_size(x, y, n, f"input {a.name}'s shape and strides", m) for x, y in pairs]
         fixed = [x - c * n for (x, _), c in zip(pairs, per)]
         r = len(a.shape)
         out.append(((tuple(fixed[:r]), tuple(fixed[r:])), (tuple(per[:r]), tuple(per[r:]))))
     return out
 
 
-def _merged(lines_a: list, lines_b: list, n: int) -> list:
+def _merged(lines_a: list, lines_b: list, n: int, m: int | None = None, where: str = "the module") -> list:
     """``lines_a`` with each number that differs in ``lines_b`` written as a multiple of
     SIZE. The lines must differ in nothing else."""
+    m = n + 1 if m is None else m
     if len(lines_a) != len(lines_b):
-        raise NotSized(f"the module runs {len(lines_a)} steps at size {n} and {len(lines_b)} at {n + 1}")
+        raise NotSized(f"{where} has {len(lines_a)} lines at size {n} and {len(lines_b)} at {m}")
     out = []
     for la, lb in zip(lines_a, lines_b):
+        if la == lb:
+            out.append(la)
+            continue
         ta, tb = _tokens(la), _tokens(lb)
         if [t.type for t in ta] != [t.type for t in tb] or \
                 any(x.string != y.string for x, y in zip(ta, tb) if x.type != tokenize.NUMBER):
-            raise NotSized(f"the module differs at size {n + 1} in more than sizes: {la!r} against {lb!r}")
+            raise NotSized(f"{where} differs at size {m} in more than sizes: {la.strip()!r} against {lb.strip()!r}")
         line = la
         for x, y in reversed(list(zip(ta, tb))):
             if x.string != y.string:
                 if not (x.string.isdigit() and y.string.isdigit()):
-                    raise NotSized(f"{x.string} at size {n} is {y.string} at {n + 1} in {la!r}")
-                c = per_size(int(x.string), int(y.string), n, f"{x.string!r} in {la!r}")
+                    raise NotSized(f"{x.string} at size {n} is {y.string} at {m} in {la.strip()!r}")
+                c = per_size(int(x.string), int(y.string), n, f"{x.string!r} in {la.strip()!r}", m)
                 text = SIZE if c == 1 else f"{c} * {SIZE}"
                 line = line[:x.start[1]] + f"({text})" + line[x.end[1]:]
         out.append(line)
     return out
+
+
+def _first_difference(a: str, b: str) -> str:
+    for la, lb in zip(a.split("\n"), b.split("\n")):
+        if la != lb:
+            return f"{la.strip()!r} against {lb.strip()!r}"
+    return "one is longer"
 
 
 def _tokens(line: str) -> list:

@@ -3,10 +3,11 @@
 Dynamo hands over a graph with a symbolic size (``dynamic=True``, ``mark_dynamic``, or
 the second shape a function meets). eqfuse compiles it for the first size it is called
 with, as any graph. At the second, it builds the sized module (codegen/sized.py) from
-the graph's plans at that size and the next, with the block sizes the first build chose:
-its kernels take the dynamic size at launch, so every later size runs the kernels
-compiled once. Where there is no sized module (``NotSized``: a kernel whose text depends
-on the size, an eager step, more than one symbol), each size compiles on its own.
+the graph's plans at that size, the next and a far one, with the block sizes the first
+build chose: its kernels take the dynamic size at launch, so every later size runs the
+kernels compiled once. Where there is no sized module (``NotSized``: a kernel written
+otherwise at another size, a number not proportional to the size, an eager step, more
+than one symbol), each size compiles on its own.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     ``example_inputs``: dynamo's (symbolic); ``first``: the symbols' values at the first
     call; ``sizes``, ``tensors``: this call's size arguments (position, value) and
     tensors; ``configs``: block sizes by kernel name (the first call's build)."""
-    from ..codegen.sized import NotSized, sized_module
+    from ..codegen.sized import NotSized, far_size, sized_module
     from ..pipeline import _load, _parallel, plan_only
     from .compiled import VERSION, _unflattener
 
@@ -71,13 +72,15 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
                        f"({', '.join(sorted(map(str, changed)))}); a sized module follows one")
     symbol, = changed
     value = values[symbol]
-    sizes_b, tensors_b = _at(example_inputs, sizes, tensors, {**values, symbol: value + 1})
     fn = fn_at(sizes)
     plan_a, captured = plan_only(fn, tensors, options)
-    plan_b, _ = plan_only(fn_at(sizes_b), tensors_b, options)
-    del tensors_b
+    samples = [(value, plan_a)]
+    for other in (value + 1, far_size(value)):
+        sizes_x, tensors_x = _at(example_inputs, sizes, tensors, {**values, symbol: other})
+        samples.append((other, plan_only(fn_at(sizes_x), tensors_x, options)[0]))
+        del tensors_x
     title = getattr(fn, "__name__", "graph")
-    sized = sized_module(plan_a, plan_b, value, title, VERSION, configs)
+    sized = sized_module(samples, title, VERSION, configs)
     if not sized.infos:
         raise NotSized("the graph has no kernels")
     device = tensors[0].device
