@@ -131,6 +131,23 @@ def test_a_cat_branch_keeps_the_digit_structure_of_its_index():
     assert [d.expr for d in split.dims] == ["rindex", "((cindex - 4) // 3)", "((cindex - 4) % 3)"]
 
 
+@pytest.mark.parametrize("strides", [(48, 16, 4, 1), (4, 8, 24, 1), (96, 32, 1, 2), (0, 16, 4, 1)])
+def test_an_offset_is_the_address_of_every_point(strides):
+    """Digits of one kernel index that neighbour in the index and in memory are one term
+    (rows padded to 16: ``mindex * 16``, not ``(mindex // 3) * 48 + (mindex % 3) * 16``);
+    whatever merges, the offset is the address at every point."""
+    from eqfuse.codegen.indexing import Idx, env_of, reshape_env, strided_offset
+    m, n = Idx("mindex", frozenset("m")), Idx("nindex", frozenset("n"))
+    env = reshape_env(env_of([(m, 6), (n, 8)], (6, 8)), (2, 3, 2, 4))
+    off = strided_offset(env, strides, (2, 3, 2, 4))
+    if strides == (48, 16, 4, 1):
+        assert off.expr == "mindex * 16 + nindex"
+    for mi in range(6):
+        for ni in range(8):
+            point = (mi // 3, mi % 3, ni // 4, ni % 4)
+            assert eval(off.expr, {"mindex": mi, "nindex": ni}) == sum(p * st for p, st in zip(point, strides))
+
+
 def test_qkv_gradients_through_a_cat_match_eager():
     def fused_qkv_grad(dq, dk, dv):
         b, h, s, d = dq.shape

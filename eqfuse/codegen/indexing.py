@@ -150,14 +150,37 @@ def strided_offset(env: Env, strides, shape, offset: int = 0) -> Idx:
     if env.linear is not None and offset == 0 and tuple(strides) == contiguous_strides(shape):
         return env.linear
     terms, axes = [], frozenset()
-    for d, st, size in zip(env.dims, strides, shape):
-        if d.is_zero or st == 0 or size == 1:
-            continue
+    for d, st in _strided_terms(env, strides, shape):
         terms.append(d.expr if st == 1 else f"{d.expr} * {st}")
         axes |= d.axes
     if offset:
         terms.append(str(offset))
     return Idx(" + ".join(terms) if terms else "0", axes)
+
+
+def _strided_terms(env: Env, strides, shape) -> list:
+    """(index, stride) pairs whose products add up to the offset of ``env`` in a tensor of
+    ``shape`` laid out with ``strides``. Where the environment knows its digits, two digits
+    of one kernel index that are neighbours both in the index and in memory are one term:
+    a [B, S, H] buffer read at row m of its [B * S, H] view is ``m * H``, not
+    ``(m // S) * (S * H) + (m % S) * H`` (a division per element, and, where S is taken
+    at launch, by a number Triton cannot see)."""
+    if env.groups is None:
+        return [(d, st) for d, st, size in zip(env.dims, strides, shape) if not (d.is_zero or st == 0 or size == 1)]
+    digits: list = []  # (digit, stride), outer first
+    for group, st, size in zip(env.groups, strides, shape):
+        if st == 0 or size == 1:
+            continue
+        inner = [d for d in group if d.size != 1]
+        scale = [st * math.prod(d.size for d in inner[k + 1:]) for k in range(len(inner))]
+        for d, s in zip(inner, scale):
+            if digits:
+                prev, prev_st = digits[-1]
+                if prev.atom == d.atom and prev.lo == d.lo * d.size and prev_st == s * d.size:
+                    digits[-1] = (Digit(d.atom, d.extent, d.lo, prev.size * d.size), s)
+                    continue
+            digits.append((d, s))
+    return [(d.idx(), s) for d, s in digits]
 
 
 def _squeezed(shape):
