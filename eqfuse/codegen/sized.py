@@ -2,7 +2,8 @@
 
 eqfuse's plans are made for the sizes they were traced at. A graph whose dimension dynamo
 marked dynamic (a batch, a sequence) gets plans at three sizes of that dimension, n,
-n + 1 and a far one, generated with the same kernel configurations. Where the modules
+n + 1 and a far one (or n + 2, where the plan at the far size fuses otherwise), generated
+with the same kernel configurations. Where the modules
 differ only in numbers proportional to the size (``c * n`` against ``c * (n + 1)``: a
 buffer's extent, a stride, a kernel's row count, a divisor that splits a row index into
 sequence and batch), they are one module, written for the size ``SIZE`` read from an input
@@ -17,10 +18,11 @@ Why these sizes: a choice made from ``c * n`` that comes out the same at n and n
 out the same at every size (both dividing evenly by a block means c does). But code
 generation also looks at values (which keys a causal mask leaves a row, whether an index
 below the size divided by 64 is 0), and what such an analysis finds at n and n + 1 may hold
-there only: the far size (``far_size``) is where it would show. A threshold beyond all
-three (a sliding window wider than the sizes seen) cannot show; an attention kernel whose
-mask compares indices with a number that large is not sized. What sizes cannot show at all
-(whether 32-bit indices suffice) is a bound on the size, ``max_size``.
+there only: the far size (``far_size``) is where it would show, and n + 2 where a number
+changes every other size (``s // 2``). A threshold beyond all three (a sliding window
+wider than the sizes seen) cannot show; an attention kernel whose mask compares indices
+with a number that large is not sized. What sizes cannot show at all (whether 32-bit
+indices suffice) is a bound on the size, ``max_size``.
 """
 
 from __future__ import annotations

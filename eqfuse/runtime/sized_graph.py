@@ -74,11 +74,19 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     value = values[symbol]
     fn = fn_at(sizes)
     plan_a, captured = plan_only(fn, tensors, options)
-    samples = [(value, plan_a)]
-    for other in (value + 1, far_size(value)):
-        sizes_x, tensors_x = _at(example_inputs, sizes, tensors, {**values, symbol: other})
-        samples.append((other, plan_only(fn_at(sizes_x), tensors_x, options)[0]))
-        del tensors_x
+
+    def plan_at(size):
+        sizes_x, tensors_x = _at(example_inputs, sizes, tensors, {**values, symbol: size})
+        return size, plan_only(fn_at(sizes_x), tensors_x, options)[0]
+
+    samples = [(value, plan_a), plan_at(value + 1)]
+    # The far size, unless the cost model fuses otherwise there (a larger batch makes
+    # other fusions pay): then n + 2, which still shows a number that changes every
+    # other size (s // 2)
+    far = plan_at(far_size(value))
+    if [k.name for k in far[1].kernels] != [k.name for k in plan_a.kernels]:
+        far = plan_at(value + 2)
+    samples.append(far)
     title = getattr(fn, "__name__", "graph")
     sized = sized_module(samples, title, VERSION, configs)
     if not sized.infos:
