@@ -56,6 +56,17 @@ def test_a_sequence_length_becomes_an_argument_of_the_kernels():
     assert "(bindex // 4) * (64 * SIZE)" in attention.source and "SIZE = in0.shape[1]" in sized.source
 
 
+def test_a_tma_form_that_fits_one_size_only_runs_one_program_per_tile():
+    # Rows of 17 floats are 68 bytes: no descriptor takes them, the TMA form fits 16 only
+    from eqfuse.codegen.sized import _fitting
+    plans = {k: plan_only(lambda x, w: x @ w, [torch.randn(8, k), torch.randn(k, 32)], Options())[0] for k in (16, 17)}
+    (name,) = [k.name for k in plans[16].kernels]
+    tma = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 8, "PROGRAMS": 4, "num_warps": 4, "num_stages": 2}
+    plain = {k: v for k, v in tma.items() if k != "PROGRAMS"}
+    assert _fitting({name: tma}, [plans[16]]) == {name: tma}
+    assert _fitting({name: tma}, [plans[16], plans[17]]) == {name: plain}
+
+
 def test_plans_that_need_a_configuration_per_size_are_not_sized():
     # Without the first build's configurations the tile model picks blocks by size
     plans = _llama_plans((2, 16, 64), (2, 17, 64), (2, far_size(16), 64))
@@ -82,14 +93,15 @@ def test_llama_layer_with_a_dynamic_batch_compiles_once():
 
 def test_llama_layer_with_a_dynamic_sequence_compiles_once():
     """mark_dynamic on the sequence: one compile, then the sized module at every length,
-    the causal attention's rows and keys taken at launch, its skipped tiles as before."""
+    the causal attention's rows and keys taken at launch, its skipped tiles as before.
+    The far size of 31 (65) is past the layer's 64 positions: it is checked at 33."""
     torch._dynamo.reset()
     eqfuse.backend.history.clear()
     torch.manual_seed(0)
     model = LlamaLayer()
     g = torch.compile(model, backend="eqfuse")
     with torch.no_grad():
-        for seq in (16, 17, 23, 40, 64):
+        for seq in (30, 31, 16, 64, 47):
             x = torch.randn(2, seq, 64)
             torch._dynamo.mark_dynamic(x, 1)
             torch.testing.assert_close(g(x), model(x), rtol=1e-4, atol=1e-5)

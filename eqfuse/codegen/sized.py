@@ -85,12 +85,26 @@ def sized_module(samples: list, title: str, version: str, configs: dict) -> Size
         if steps:
             raise NotSized(f"an eager step ({steps[0].node}) runs with the sizes it was traced at")
     (n, plan_a), *others = samples
+    configs = _fitting(configs, [plan for _, plan in samples])
     made = [_merged_module(plan_a, plan_x, n, m, title, version, configs) for m, plan_x in others]
     for (m, _), module in zip(others[1:], made[1:]):
         if module.source != made[0].source:
             raise NotSized(f"the module made from sizes {n} and {m} is not the one made from {n} and {others[0][0]}: "
                            f"{_first_difference(made[0].source, module.source)}")
     return made[0]
+
+
+def _fitting(configs: dict, plans: list) -> dict:
+    """The configurations each kernel runs with at every size: the first build's, or, where
+    its TMA form fits one size only (a descriptor needs strides of 16 bytes), the same
+    tiles one program per tile."""
+    out = dict(configs)
+    for name, cfg in configs.items():
+        scheds = [kgen.schedule_of(k) for plan in plans for k in plan.kernels if k.name == name]
+        plain = {k: v for k, v in cfg.items() if k != "PROGRAMS"}
+        if plain != cfg and not all(kgen.fits(s, cfg) for s in scheds) and all(kgen.fits(s, plain) for s in scheds):
+            out[name] = plain
+    return out
 
 
 def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, version: str,

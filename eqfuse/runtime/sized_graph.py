@@ -61,6 +61,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     call; ``sizes``, ``tensors``: this call's size arguments (position, value) and
     tensors; ``configs``: block sizes by kernel name (the first call's build)."""
     from ..codegen.sized import NotSized, far_size, sized_module
+    from ..errors import EqfuseError
     from ..pipeline import _load, _parallel, plan_only
     from .compiled import VERSION, _unflattener
 
@@ -80,11 +81,14 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
         return size, plan_only(fn_at(sizes_x), tensors_x, options)[0]
 
     samples = [(value, plan_a), plan_at(value + 1)]
-    # The far size, unless the cost model fuses otherwise there (a larger batch makes
-    # other fusions pay): then n + 2, which still shows a number that changes every
-    # other size (s // 2)
-    far = plan_at(far_size(value))
-    if [k.name for k in far[1].kernels] != [k.name for k in plan_a.kernels]:
+    # The far size, unless the graph does not run there (past a model's table of
+    # positions) or the cost model fuses otherwise there (a larger batch makes other
+    # fusions pay): then n + 2, which still shows a number that changes every other size
+    try:
+        far = plan_at(far_size(value))
+    except EqfuseError:
+        far = None
+    if far is None or [k.name for k in far[1].kernels] != [k.name for k in plan_a.kernels]:
         far = plan_at(value + 2)
     samples.append(far)
     title = getattr(fn, "__name__", "graph")
