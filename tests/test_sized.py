@@ -67,11 +67,14 @@ def test_a_tma_form_that_fits_one_size_only_runs_one_program_per_tile():
     assert _fitting({name: tma}, [plans[16], plans[17]]) == {name: plain}
 
 
-def test_plans_that_need_a_configuration_per_size_are_not_sized():
-    # Without the first build's configurations the tile model picks blocks by size
-    plans = _llama_plans((2, 16, 64), (2, 17, 64), (2, far_size(16), 64))
-    with pytest.raises(NotSized, match="BLOCK_M is 16 at size 16 and 32 at size 17"):
-        sized_module(list(zip((16, 17, far_size(16)), plans)), "llama", "test", {})
+def test_kernels_the_first_build_did_not_have_keep_the_tile_models_choice_at_n():
+    # The plan at the second size may fuse otherwise than the first build's: its kernels
+    # take the configuration the tile model gives them at that size, at every size (the
+    # model alone picks BLOCK_M 16 at 16 tokens, 32 at 17)
+    sizes = (16, 17, far_size(16))
+    sized = sized_module(list(zip(sizes, _llama_plans(*((2, n, 64) for n in sizes)))), "llama", "test", {})
+    at_16 = {i.name: i.config for i in generate_module(_llama_plans((2, 16, 64))[0], "t", "t")[1]}
+    assert {i.name: i.config for i in sized.infos} == at_16
 
 
 def test_llama_layer_with_a_dynamic_batch_compiles_once():

@@ -78,13 +78,18 @@ def per_size(a: int, b: int, n: int, what: str, m: int | None = None) -> int:
 def sized_module(samples: list, title: str, version: str, configs: dict) -> SizedModule:
     """The module for every size, from ``samples``: (size, plan) pairs, the first the
     size the module is made at, each other one compared with it; all must give the same
-    module. The plans are rewritten by code generation's ``prepare``. Raises NotSized."""
+    module. ``configs``: kernel name -> configuration (the first build's). The plans are
+    rewritten by code generation's ``prepare``. Raises NotSized."""
     for _, plan in samples:
         prepare(plan)
         steps = [s for s in plan.steps if isinstance(s, FallbackStep)]
         if steps:
             raise NotSized(f"an eager step ({steps[0].node}) runs with the sizes it was traced at")
     (n, plan_a), *others = samples
+    # A kernel the first build did not have (the plan at this size fuses otherwise): the
+    # tile model's configuration at n, for every size
+    configs = {**{k.name: kernel_info(k, plan_a.buffers).config for k in plan_a.kernels if k.name not in configs},
+               **configs}
     configs = _fitting(configs, [plan for _, plan in samples])
     made = [_merged_module(plan_a, plan_x, n, m, title, version, configs) for m, plan_x in others]
     for (m, _), module in zip(others[1:], made[1:]):
