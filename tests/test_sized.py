@@ -192,3 +192,28 @@ def test_llama_layer_with_a_dynamic_sequence_on_the_gpu():
             torch._dynamo.mark_dynamic(x, 1)
             torch.testing.assert_close(g(x), model(x), rtol=2e-2, atol=2e-2)
     assert len(eqfuse.backend.history) == 1
+
+
+def test_a_sized_module_that_does_not_launch_leaves_the_graph_per_size(monkeypatch, caplog):
+    """The sized module runs once as it is built; a kernel that does not launch (on a GPU,
+    a configuration past the shared memory) leaves the graph compiled per size."""
+    import eqfuse.pipeline as pipeline
+    load = pipeline._load
+
+    def failing(source, device_type):
+        module = load(source, device_type)
+        if "(sized: every size of one dimension)" in source:
+            def refuse(*args):
+                raise RuntimeError("out of resource: shared memory, Required: 245760")
+            module.call_boxed = refuse
+        return module
+    monkeypatch.setattr(pipeline, "_load", failing)
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    g = torch.compile(lambda x: torch.softmax(x * 2, -1), backend="eqfuse", dynamic=True)
+    with caplog.at_level("INFO", logger="eqfuse"):
+        for n in (5, 7, 9):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(g(x), torch.softmax(x * 2, -1))
+    assert "the sized module does not run at size 7: RuntimeError: out of resource" in caplog.text
+    assert len(eqfuse.backend.history) == 3

@@ -103,6 +103,14 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
         outcome = precompile(module_launches(module, sized.infos, plan_a, tensors + constants, size=value))
         if outcome.note:
             log.info("eqfuse: sized module: %s", outcome.note)
+    # Run once here, at this call's size: a kernel whose configuration the tile model gave
+    # at this size (the first build did not have it) may not launch on this GPU (shared
+    # memory), which the per-size build would have found and passed over
+    try:
+        module.call_boxed(device, [], list(tensors) + constants)
+    except Exception as e:  # noqa: BLE001 - whatever stops it, the graph compiles per size
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise NotSized(f"the sized module does not run at size {value}: {type(e).__name__}: {first_line}") from e
     return SizedGraph(sized, module, device, constants, _unflattener(captured.out_spec),
                       torch._C._get_cublas_allow_tf32(), time.perf_counter() - start)
 
