@@ -86,12 +86,9 @@ def sized_module(samples: list, title: str, version: str, configs: dict) -> Size
         if steps:
             raise NotSized(f"an eager step ({steps[0].node}) runs with the sizes it was traced at")
     (n, plan_a), *others = samples
-    # A kernel the first build numbered otherwise (the plan at this size fuses otherwise
-    # before it) takes the configuration of the kernel that computed the same FX node there
-    # (k3_view_14 for k4_view_14); one it did not have, the tile model's at n
-    by_label = {name.split("_", 1)[1]: cfg for name, cfg in configs.items()}
-    configs = {**{k.name: by_label.get(k.name.split("_", 1)[1]) or kernel_info(k, plan_a.buffers).config
-                  for k in plan_a.kernels if k.name not in configs},
+    # A kernel the first build did not have (the plan at this size fuses otherwise): the
+    # tile model's configuration at n, for every size
+    configs = {**{k.name: kernel_info(k, plan_a.buffers).config for k in plan_a.kernels if k.name not in configs},
                **configs}
     configs = _fitting(configs, [plan for _, plan in samples])
     made = [_merged_module(plan_a, plan_x, n, m, title, version, configs) for m, plan_x in others]
