@@ -77,20 +77,26 @@ def test_kernels_the_first_build_did_not_have_keep_the_tile_models_choice_at_n()
     assert {i.name: i.config for i in sized.infos} == at_16
 
 
+def _llama_at_sizes(model, shapes, dim, rtol, atol):
+    """The Llama layer compiled with dimension ``dim`` marked dynamic, called at each of
+    ``shapes`` against eager; the graphs the backend compiled."""
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    g = torch.compile(model, backend="eqfuse")
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    with torch.no_grad():
+        for shape in shapes:
+            x = torch.randn(*shape, device=device, dtype=dtype)
+            torch._dynamo.mark_dynamic(x, dim)
+            torch.testing.assert_close(g(x), model(x), rtol=rtol, atol=atol)
+    return list(eqfuse.backend.history)
+
+
 def test_llama_layer_with_a_dynamic_batch_compiles_once():
     """mark_dynamic on the batch: the first batch compiles, the second builds the sized
     module (its attention kernel's grid follows the batch), the rest reuse it."""
-    torch._dynamo.reset()
-    eqfuse.backend.history.clear()
     torch.manual_seed(0)
-    model = LlamaLayer()
-    g = torch.compile(model, backend="eqfuse")
-    with torch.no_grad():
-        for batch in (2, 3, 5):
-            x = torch.randn(batch, 16, 64)
-            torch._dynamo.mark_dynamic(x, 0)
-            torch.testing.assert_close(g(x), model(x), rtol=1e-4, atol=1e-5)
-    (graph,) = eqfuse.backend.history
+    (graph,) = _llama_at_sizes(LlamaLayer(), [(b, 16, 64) for b in (2, 3, 5)], 0, 1e-4, 1e-5)
     assert any(k.schedule.kind == "attention" for k in graph.kernels), graph.explain()
 
 
@@ -98,17 +104,8 @@ def test_llama_layer_with_a_dynamic_sequence_compiles_once():
     """mark_dynamic on the sequence: one compile, then the sized module at every length,
     the causal attention's rows and keys taken at launch, its skipped tiles as before.
     The far size of 31 (65) is past the layer's 64 positions: it is checked at 33."""
-    torch._dynamo.reset()
-    eqfuse.backend.history.clear()
     torch.manual_seed(0)
-    model = LlamaLayer()
-    g = torch.compile(model, backend="eqfuse")
-    with torch.no_grad():
-        for seq in (30, 31, 16, 64, 47):
-            x = torch.randn(2, seq, 64)
-            torch._dynamo.mark_dynamic(x, 1)
-            torch.testing.assert_close(g(x), model(x), rtol=1e-4, atol=1e-5)
-    (graph,) = eqfuse.backend.history
+    (graph,) = _llama_at_sizes(LlamaLayer(), [(2, n, 64) for n in (30, 31, 16, 64, 47)], 1, 1e-4, 1e-5)
     (attention,) = [k for k in graph.kernels if k.schedule.kind == "attention"]
     assert attention.schedule.band is not None  # the causal mask's tiles are skipped
 
@@ -166,32 +163,16 @@ def test_windowed_attention_with_a_dynamic_sequence_matches_eager():
 def test_llama_layer_with_a_dynamic_batch_on_the_gpu():
     """The sized module's kernels compiled in the pool at the second batch, launched at
     others (each size its own grid), fp16 against eager."""
-    torch._dynamo.reset()
-    eqfuse.backend.history.clear()
     torch.manual_seed(0)
     model = LlamaLayer(hidden=256, heads=4, intermediate=512, max_seq=128).cuda().half()
-    g = torch.compile(model, backend="eqfuse")
-    with torch.no_grad():
-        for batch in (2, 3, 5, 8):
-            x = torch.randn(batch, 128, 256, device="cuda", dtype=torch.half)
-            torch._dynamo.mark_dynamic(x, 0)
-            torch.testing.assert_close(g(x), model(x), rtol=2e-2, atol=2e-2)
-    assert len(eqfuse.backend.history) == 1
+    assert len(_llama_at_sizes(model, [(b, 128, 256) for b in (2, 3, 5, 8)], 0, 2e-2, 2e-2)) == 1
 
 
 @pytest.mark.gpu
 def test_llama_layer_with_a_dynamic_sequence_on_the_gpu():
-    torch._dynamo.reset()
-    eqfuse.backend.history.clear()
     torch.manual_seed(0)
     model = LlamaLayer(hidden=256, heads=4, intermediate=512, max_seq=512).cuda().half()
-    g = torch.compile(model, backend="eqfuse")
-    with torch.no_grad():
-        for seq in (128, 129, 200, 256, 333, 512):
-            x = torch.randn(2, seq, 256, device="cuda", dtype=torch.half)
-            torch._dynamo.mark_dynamic(x, 1)
-            torch.testing.assert_close(g(x), model(x), rtol=2e-2, atol=2e-2)
-    assert len(eqfuse.backend.history) == 1
+    assert len(_llama_at_sizes(model, [(2, n, 256) for n in (128, 129, 200, 256, 333, 512)], 1, 2e-2, 2e-2)) == 1
 
 
 def test_a_sized_module_that_does_not_launch_leaves_the_graph_per_size(monkeypatch, caplog):
