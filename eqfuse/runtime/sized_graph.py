@@ -12,6 +12,7 @@ than one symbol), each size compiles on its own.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -92,12 +93,14 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
         far = plan_at(value + 2)
     samples.append(far)
     title = getattr(fn, "__name__", "graph")
+    device = tensors[0].device
+    constants = list(captured.constants)
+    if device.type == "cuda":
+        configs = _with_runnable_configs(plan_a, configs, title, tensors, constants)
     sized = sized_module(samples, title, VERSION, configs)
     if not sized.infos:
         raise NotSized("the graph has no kernels")
-    device = tensors[0].device
     module = _load(sized.source, device.type)
-    constants = list(captured.constants)
     if _parallel(options, tensors):
         from .parallel_compile import module_launches, precompile
         outcome = precompile(module_launches(module, sized.infos, plan_a, tensors + constants, size=value))
@@ -113,6 +116,29 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
         raise NotSized(f"the sized module does not run at size {value}: {type(e).__name__}: {first_line}") from e
     return SizedGraph(sized, module, device, constants, _unflattener(captured.out_spec),
                       torch._C._get_cublas_allow_tf32(), time.perf_counter() - start)
+
+
+def _with_runnable_configs(plan, configs: dict, title: str, tensors: list, constants: list) -> dict:
+    """``configs`` and, for each kernel of ``plan`` the first build did not have (the plan
+    at this size fuses otherwise), the first of the tile model's configurations that
+    launches at this size (``choose_configs``, untimed), as a per-size build takes it: the
+    model's first choice can need more shared memory than the GPU has (a Llama layer's
+    attention with its rotary prologue at head dim 128 on an H100)."""
+    from ..codegen.module import generate_module
+    from ..codegen.sized import NotSized
+    from .autotune import NoRunnableConfig, choose_configs
+    from .compiled import VERSION
+
+    plan = copy.deepcopy(plan)  # code generation splits kernels in place; the sized module prepares its own
+    _, infos = generate_module(plan, title, VERSION, configs)
+    missing = [i for i in infos if i.name not in configs]
+    if not missing:
+        return configs
+    try:
+        chosen = choose_configs(plan, missing, title, VERSION, tensors, constants, measure=False)
+    except NoRunnableConfig as e:
+        raise NotSized(str(e)) from e
+    return {**configs, **chosen}
 
 
 def symbol_values(example_inputs, sizes, tensors) -> dict:
