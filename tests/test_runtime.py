@@ -9,8 +9,10 @@ from conftest import DEVICE
 
 import eqfuse
 from eqfuse.examples import EXAMPLES, residual_layernorm, rmsnorm
-from eqfuse.rewrite.cost import Device, kernel_bytes, kernel_time_us
+from eqfuse.rewrite import cost
+from eqfuse.rewrite.cost import Device, band_pairs, kernel_bytes, kernel_time_us
 from eqfuse.runtime import cache
+from eqfuse.schema import ops
 
 
 def test_report_and_explain():
@@ -68,6 +70,30 @@ def test_cost_model_counts_a_broadcast_read_once():
     assert kernel_bytes(k.spec, c.plan.buffers) == (64 * 256 * 2 + 256) * 4
     fast, slow = Device(bandwidth_bytes_per_us=1e6), Device(bandwidth_bytes_per_us=1e3)
     assert kernel_time_us(k.spec, c.plan.buffers, slow) > kernel_time_us(k.spec, c.plan.buffers, fast)
+
+
+def test_work_on_an_attention_kernels_keys_counts_per_query_tile_and_streamed(monkeypatch):
+    """k * g is computed in the kernel once per query tile (ceil(300 / 128) = 3 times in
+    the model), and weighs STREAMED_WORK times a plain product's work there."""
+    def gained_keys(q, k, v, g):
+        return torch.softmax(q @ (k * g).transpose(-1, -2), -1) @ v
+
+    q, k, v = (torch.randn(1, 2, 300, 16) for _ in range(3))
+    c = eqfuse.compile(gained_keys, (q, k, v, torch.rand(300, 1)))
+    (kernel,) = c.kernels
+    assert kernel.schedule.kind == "attention", c.explain()
+    computed = {}
+    for weight in (1.0, 4.0):
+        monkeypatch.setattr(cost, "STREAMED_WORK", weight)
+        computed[weight] = cost.kernel_compute(kernel.spec)
+    key_product = 2 * 300 * 16 * ops.BINARY["mul"].cost
+    assert computed[4.0] - computed[1.0] == pytest.approx((4.0 - 1.0) * 3 * key_product)
+
+
+@pytest.mark.parametrize("m, n, lo, hi", [(7, 7, -6, 0), (5, 9, -4, 4), (9, 5, -8, 0), (12, 10, -3, 2),
+                                          (6, 6, -20, 20), (8, 3, 2, 5), (4, 4, 5, 9)])
+def test_band_pairs_counts_the_pairs_a_mask_leaves(m, n, lo, hi):
+    assert band_pairs(m, n, lo, hi) == sum(lo <= j - i <= hi for i in range(m) for j in range(n))
 
 
 def test_multi_output_kernel_stores_the_residual():
