@@ -198,3 +198,24 @@ def test_a_sized_module_that_does_not_launch_leaves_the_graph_per_size(monkeypat
             torch.testing.assert_close(g(x), torch.softmax(x * 2, -1))
     assert "the sized module does not run at size 7: RuntimeError: out of resource" in caplog.text
     assert len(eqfuse.backend.history) == 3
+
+
+def test_a_sized_matmul_takes_the_tiles_best_across_sizes():
+    """A sized module made at 2560 rows (640 tokens of 4) runs 20480 too: its tiles are
+    the least worst across SIZES_AHEAD, not the model's first at 2560 rows."""
+    from eqfuse.codegen import tiles
+    from eqfuse.codegen.kernel import Schedule
+    from eqfuse.codegen.sized import SIZES_AHEAD, _schedule_at, across_sizes
+
+    at_n = Schedule("matmul", m=2560, n=2048, k=2048, dot_dtype="float16", dots=1)
+    at_m = Schedule("matmul", m=2564, n=2048, k=2048, dot_dtype="float16", dots=1)
+    scheds = [_schedule_at(at_n, at_m, 640, 641, round(f * 640)) for f in SIZES_AHEAD]
+    assert [s.m for s in scheds] == [1280, 2560, 5120, 10240, 20480]
+    candidates = tiles.ranked(at_n)
+    best = [min(tiles.modelled_time_us(s, c) for c in candidates) for s in scheds]
+
+    def worst(cfg):
+        return max(tiles.modelled_time_us(s, cfg) / b for s, b in zip(scheds, best))
+    chosen = across_sizes(at_n, at_m, 640, 641)
+    assert worst(chosen) == min(map(worst, candidates))
+    assert worst(chosen) < worst(candidates[0])

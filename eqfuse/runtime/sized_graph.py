@@ -95,20 +95,22 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     title = getattr(fn, "__name__", "graph")
     device = tensors[0].device
     constants = list(captured.constants)
-    if device.type == "cuda":
-        configs = _with_runnable_configs(plan_a, configs, title, tensors, constants)
-    sized = sized_module(samples, title, VERSION, configs)
+    parallel = _parallel(options, tensors)
+
+    def complete(plan, chosen):
+        return _with_runnable_configs(plan, chosen, title, tensors, constants, parallel)
+    sized = sized_module(samples, title, VERSION, configs, complete if device.type == "cuda" else None)
     if not sized.infos:
         raise NotSized("the graph has no kernels")
     module = _load(sized.source, device.type)
-    if _parallel(options, tensors):
+    if parallel:
         from .parallel_compile import module_launches, precompile
         outcome = precompile(module_launches(module, sized.infos, plan_a, tensors + constants, size=value))
         if outcome.note:
             log.info("eqfuse: sized module: %s", outcome.note)
-    # Run once here, at this call's size: a kernel whose configuration the tile model gave
-    # at this size (the first build did not have it) may not launch on this GPU (shared
-    # memory), which the per-size build would have found and passed over
+    # Run once here, at this call's size: a matmul's tiles chosen across sizes may not
+    # launch on this GPU (shared memory), where the per-size build would have passed over
+    # them to the next
     try:
         module.call_boxed(device, [], list(tensors) + constants)
     except Exception as e:  # noqa: BLE001 - whatever stops it, the graph compiles per size
@@ -118,24 +120,26 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
                       torch._C._get_cublas_allow_tf32(), time.perf_counter() - start)
 
 
-def _with_runnable_configs(plan, configs: dict, title: str, tensors: list, constants: list) -> dict:
-    """``configs`` and, for each kernel of ``plan`` the first build did not have (the plan
-    at this size fuses otherwise), the first of the tile model's configurations that
-    launches at this size (``choose_configs``, untimed), as a per-size build takes it: the
-    model's first choice can need more shared memory than the GPU has (a Llama layer's
-    attention with its rotary prologue at head dim 128 on an H100)."""
+def _with_runnable_configs(plan, configs: dict, title: str, tensors: list, constants: list,
+                           parallel: bool) -> dict:
+    """``configs`` and, for each kernel of ``plan`` it has none for (the first build did
+    not have it: the plan at this size fuses otherwise), the first of the tile model's
+    configurations that launches at this size (``choose_configs``, untimed), as a
+    per-size build takes it: the model's first choice can need more shared memory than
+    the GPU has (a Llama layer's attention with its rotary prologue at head dim 128 on
+    an H100)."""
     from ..codegen.module import generate_module
     from ..codegen.sized import NotSized
     from .autotune import NoRunnableConfig, choose_configs
     from .compiled import VERSION
 
-    plan = copy.deepcopy(plan)  # code generation splits kernels in place; the sized module prepares its own
+    plan = copy.deepcopy(plan)  # the sized module's, which code generation would rewrite
     _, infos = generate_module(plan, title, VERSION, configs)
     missing = [i for i in infos if i.name not in configs]
     if not missing:
         return configs
     try:
-        chosen = choose_configs(plan, missing, title, VERSION, tensors, constants, measure=False)
+        chosen = choose_configs(plan, missing, title, VERSION, tensors, constants, measure=False, parallel=parallel)
     except NoRunnableConfig as e:
         raise NotSized(str(e)) from e
     return {**configs, **chosen}
