@@ -219,3 +219,32 @@ def test_a_sized_matmul_takes_the_tiles_best_across_sizes():
     chosen = across_sizes(at_n, at_m, 640, 641)
     assert worst(chosen) == min(map(worst, candidates))
     assert worst(chosen) < worst(candidates[0])
+
+
+def test_a_plan_that_differs_at_the_calls_size_leaves_the_module_to_the_sizes_after(monkeypatch, caplog):
+    """Where the cost model breaks a tie otherwise at the call's size n than at n + 1 (a
+    Llama layer at 640 tokens), the sized module is made from n + 1, n + 2, ... and runs
+    n as well."""
+    import copy
+
+    import eqfuse.pipeline as pipeline
+    from eqfuse.schema.plan import Buffer
+    plan_only_ = pipeline.plan_only
+
+    def otherwise_at_7(fn, example_inputs, options):
+        plan, captured = plan_only_(fn, example_inputs, options)
+        if example_inputs[0].shape[0] == 7:  # a buffer no kernel uses: another plan
+            plan = copy.deepcopy(plan)
+            plan.buffers["buf_spare"] = Buffer("buf_spare", (1,), "float32", "temp")
+        return plan, captured
+    monkeypatch.setattr(pipeline, "plan_only", otherwise_at_7)
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    g = torch.compile(lambda x: torch.softmax(x * 2, -1), backend="eqfuse", dynamic=True)
+    with caplog.at_level("INFO", logger="eqfuse"):
+        for n in (5, 7, 9, 30):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(g(x), torch.softmax(x * 2, -1))
+    assert "not from size 7 (the plans differ: other buffers at size 8 than at 7); from 8" in caplog.text
+    assert "runs one sized module for every size" in caplog.text
+    assert len(eqfuse.backend.history) == 1

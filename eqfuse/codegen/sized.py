@@ -45,6 +45,11 @@ class NotSized(Exception):
     """The plans are not one plan at several sizes: why, in a line."""
 
 
+class PlansDiffer(NotSized):
+    """The plans launch other kernels or keep other buffers at two of the sizes: the cost
+    model chose otherwise at one of them."""
+
+
 @dataclass
 class SizedModule:
     source: str
@@ -98,6 +103,8 @@ def sized_module(samples: list, title: str, version: str, configs: dict, complet
         if steps:
             raise NotSized(f"an eager step ({steps[0].node}) runs with the sizes it was traced at")
     (n, plan_a), *others = samples
+    for m, plan_x in others:  # before configurations are completed: that may launch kernels
+        _same_plan(plan_a, plan_x, n, m)
     configs = sized_configs(samples, configs)
     if complete is not None:
         configs = complete(plan_a, configs)
@@ -166,12 +173,9 @@ def _fitting(configs: dict, plans: list) -> dict:
 def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, version: str,
                    configs: dict) -> SizedModule:
     """The module for every size from the plans at sizes ``n`` and ``m``."""
-    kernels_a, kernels_b = plan_a.kernels, plan_b.kernels
-    if [k.name for k in kernels_a] != [k.name for k in kernels_b]:
-        raise NotSized(f"the plans differ: kernels {[k.name for k in kernels_a]} at size {n}, "
-                       f"{[k.name for k in kernels_b]} at size {m}")
+    _same_plan(plan_a, plan_b, n, m)
     infos, scales = [], {}
-    for ka, kb in zip(kernels_a, kernels_b):
+    for ka, kb in zip(plan_a.kernels, plan_b.kernels):
         cfg = configs.get(ka.name)
         # The sizes that follow the dynamic one, from the kernel as the tile model writes it
         scaled = _runtime_sizes(kernel_info(ka, plan_a.buffers, cfg), kernel_info(kb, plan_b.buffers, cfg), n, m,
@@ -189,8 +193,6 @@ def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, versi
         if runtime & {"M", "N"} and a.schedule.kind == "attention":
             _check_band(ka, n)
         infos.append(a)
-    if plan_a.buffers.keys() != plan_b.buffers.keys():
-        raise NotSized(f"the plans differ: other buffers at size {m} than at {n}")
     largest = max(per_size(b.numel, plan_b.buffers[name].numel, n, f"buffer {name}'s element count", m)
                   for name, b in plan_a.buffers.items())
     formulas = {}
@@ -222,6 +224,14 @@ def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, versi
     source = assemble(f"{title} (sized: every size of one dimension)", version, infos, launcher_line,
                       [b.name for b in plan_a.inputs], body, rets, launcher="SizedLauncher")
     return SizedModule(source, infos, size_input, (2**31 - 1) // max(largest, 1), inputs)
+
+
+def _same_plan(plan_a: Plan, plan_b: Plan, n: int, m: int) -> None:
+    names_a, names_b = [k.name for k in plan_a.kernels], [k.name for k in plan_b.kernels]
+    if names_a != names_b:
+        raise PlansDiffer(f"the plans differ: kernels {names_a} at size {n}, {names_b} at size {m}")
+    if plan_a.buffers.keys() != plan_b.buffers.keys():
+        raise PlansDiffer(f"the plans differ: other buffers at size {m} than at {n}")
 
 
 def _launchable(spec) -> frozenset:

@@ -61,7 +61,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     ``example_inputs``: dynamo's (symbolic); ``first``: the symbols' values at the first
     call; ``sizes``, ``tensors``: this call's size arguments (position, value) and
     tensors; ``configs``: block sizes by kernel name (the first call's build)."""
-    from ..codegen.sized import NotSized, far_size, sized_module
+    from ..codegen.sized import NotSized, PlansDiffer, far_size, sized_module
     from ..errors import EqfuseError
     from ..pipeline import _load, _parallel, plan_only
     from .compiled import VERSION, _unflattener
@@ -76,36 +76,57 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     value = values[symbol]
     fn = fn_at(sizes)
     plan_a, captured = plan_only(fn, tensors, options)
-
-    def plan_at(size):
-        sizes_x, tensors_x = _at(example_inputs, sizes, tensors, {**values, symbol: size})
-        return size, plan_only(fn_at(sizes_x), tensors_x, options)[0]
-
-    samples = [(value, plan_a), plan_at(value + 1)]
-    # The far size, unless the graph does not run there (past a model's table of
-    # positions) or the cost model fuses otherwise there (a larger batch makes other
-    # fusions pay): then n + 2, which still shows a number that changes every other size
-    try:
-        far = plan_at(far_size(value))
-    except EqfuseError:
-        far = None
-    if far is None or [k.name for k in far[1].kernels] != [k.name for k in plan_a.kernels]:
-        far = plan_at(value + 2)
-    samples.append(far)
     title = getattr(fn, "__name__", "graph")
     device = tensors[0].device
     constants = list(captured.constants)
     parallel = _parallel(options, tensors)
+    plans = {value: plan_a}
+
+    def plan_of(size):
+        if size not in plans:
+            sizes_x, tensors_x = _at(example_inputs, sizes, tensors, {**values, symbol: size})
+            plans[size] = plan_only(fn_at(sizes_x), tensors_x, options)[0]
+        return plans[size]
+
+    def samples_from(base: int) -> list:
+        # The far size, unless the graph does not run there (past a model's table of
+        # positions) or the cost model fuses otherwise there (a larger batch makes other
+        # fusions pay): then base + 2, which still shows a number that changes every other size
+        names = [k.name for k in plan_of(base).kernels]
+        far = far_size(base)
+        try:
+            if [k.name for k in plan_of(far).kernels] != names:
+                far = base + 2
+        except EqfuseError:
+            far = base + 2
+        return [(size, plan_of(size)) for size in (base, base + 1, far)]
 
     def complete(plan, chosen):
-        return _with_runnable_configs(plan, chosen, title, tensors, constants, parallel)
-    sized = sized_module(samples, title, VERSION, configs, complete if device.type == "cuda" else None)
+        # kernels launched alone, at the plan's size: inputs that follow the size zeroed
+        # there (a valid index, a number), the others as this call has them
+        size = next(s for s, p in plans.items() if p is plan)
+        _, inputs = _at(example_inputs, sizes, tensors, {**values, symbol: size})
+        inputs = [t if any(t is x for x in tensors) else t.zero_() for t in inputs]
+        return _with_runnable_configs(plan, chosen, title, inputs, constants, parallel)
+
+    # From the plans at this size n, n + 1 and a far one; where the cost model breaks a tie
+    # otherwise at n than at the sizes beside it (a Llama layer stores k's rotary embedding
+    # as k at 640 tokens, as k^T at 641 and 642), from n + 1 on: that module runs n too
+    for base in (value, value + 1):
+        samples = samples_from(base)
+        try:
+            sized = sized_module(samples, title, VERSION, configs, complete if device.type == "cuda" else None)
+            break
+        except PlansDiffer as e:
+            if base != value:
+                raise
+            log.info("eqfuse: sized module: not from size %d (%s); from %d", value, e, value + 1)
     if not sized.infos:
         raise NotSized("the graph has no kernels")
     module = _load(sized.source, device.type)
     if parallel:
         from .parallel_compile import module_launches, precompile
-        outcome = precompile(module_launches(module, sized.infos, plan_a, tensors + constants, size=value))
+        outcome = precompile(module_launches(module, sized.infos, samples[0][1], tensors + constants, size=value))
         if outcome.note:
             log.info("eqfuse: sized module: %s", outcome.note)
     # Run once here, at this call's size: a matmul's tiles chosen across sizes may not
