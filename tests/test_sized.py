@@ -248,3 +248,20 @@ def test_a_plan_that_differs_at_the_calls_size_leaves_the_module_to_the_sizes_af
     assert "not from size 7 (the plans differ: other buffers at size 8 than at 7); from 8" in caplog.text
     assert "runs one sized module for every size" in caplog.text
     assert len(eqfuse.backend.history) == 1
+
+
+def test_a_transposing_copy_takes_its_row_length_at_launch():
+    """A pointwise kernel that reads across its output's order iterates [rows, X] tiles
+    (codegen/pointwise.py); where X is the dynamic size (k^T of a rotary embedding, the
+    sequence innermost), the kernel takes X and its element count at launch."""
+    def f(x):
+        return (x * 2 + 1).transpose(0, 1).contiguous()
+
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    g = torch.compile(f, backend="eqfuse", dynamic=True)
+    for n in (20, 21, 33, 64, 100):
+        x = torch.randn(n, 48)
+        torch.testing.assert_close(g(x), f(x))
+    (compiled,) = eqfuse.backend.history
+    assert [k.schedule.inner for k in compiled.kernels] == [20]

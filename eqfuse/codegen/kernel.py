@@ -143,7 +143,7 @@ MAX_GRID_Y = 65535
 # The sizes a kernel can take at launch (codegen/sized.py), by kind: those of the axes its
 # programs are laid out along, and attention's keys, which it walks in a loop; never one it
 # reduces over in registers or blocks whole.
-RUNTIME_SIZES = {"pointwise": ("xnumel",), "reduction": ("R",), "matmul": ("M", "N"), "attention": ("M", "N")}
+RUNTIME_SIZES = {"pointwise": ("xnumel", "X"), "reduction": ("R",), "matmul": ("M", "N"), "attention": ("M", "N")}
 
 
 def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
@@ -908,7 +908,7 @@ class KernelWriter:
             head = self.write_body(cfg)
         elif s.kind == "pointwise":
             if s.inner:
-                head += pointwise.head(s.numel, s.inner, cfg, self.uneven, self.index_dtype_cast)
+                head += pointwise.head(s.numel, s.inner, cfg, self.uneven, self.index_dtype_cast, self.runtime)
             else:
                 if s.numel % cfg["XBLOCK"] or "xnumel" in self.runtime:
                     self.uneven["x"] = "xmask"

@@ -84,13 +84,15 @@ def tuning_candidates(numel: int, inner: int) -> list[dict]:
     return out
 
 
-def head(numel: int, inner: int, cfg: dict, uneven: dict, index_cast: str = "") -> list[str]:
+def head(numel: int, inner: int, cfg: dict, uneven: dict, index_cast: str = "",
+         runtime: frozenset = frozenset()) -> list[str]:
     """The kernel's first lines: program -> tile, indices and their masks. ``uneven`` gets
-    the masks the tile needs."""
+    the masks the tile needs: every one along a side whose size is taken at launch
+    (``runtime``: xnumel, X)."""
     rows = numel // inner
-    if rows % cfg["YBLOCK"]:
+    if rows % cfg["YBLOCK"] or "xnumel" in runtime:
         uneven["y"] = "ymask"
-    if inner % cfg["XBLOCK"]:
+    if inner % cfg["XBLOCK"] or "X" in runtime:
         uneven["x"] = "xmask"
     lines = ["tiles_x = tl.cdiv(X, XBLOCK)",
              f"pid = tl.program_id(0){index_cast}",

@@ -236,10 +236,7 @@ def _same_plan(plan_a: Plan, plan_b: Plan, n: int, m: int) -> None:
 
 def _launchable(spec) -> frozenset:
     """The sizes of the kernel it could take at launch (kernel.RUNTIME_SIZES)."""
-    sched = kgen.schedule_of(spec)
-    if sched.kind == "pointwise" and sched.inner:  # its 2-D tiling divides the size by X
-        return frozenset()
-    return frozenset(kgen.RUNTIME_SIZES.get(sched.kind, ()))
+    return frozenset(kgen.RUNTIME_SIZES.get(kgen.schedule_of(spec).kind, ()))
 
 
 def _runtime_sizes(a: KernelInfo, b: KernelInfo, n: int, m: int, may: frozenset) -> dict:
