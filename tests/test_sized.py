@@ -130,7 +130,7 @@ def test_a_size_that_is_not_a_multiple_of_the_symbol_compiles_per_size(caplog):
 
 def _windowed_attention(q, k, v):
     """Causal attention over the last 20 keys."""
-    i = torch.arange(q.shape[-2])
+    i = torch.arange(q.shape[-2], device=q.device)
     keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 20)
     scores = (q @ k.transpose(-1, -2)) * 0.25
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
