@@ -158,6 +158,8 @@ def attention_flops(sched) -> float:
 def band_pairs(m: int, n: int, lo: int, hi: int) -> int:
     """Pairs (i, j), i < m, j < n, with lo <= j - i <= hi."""
     lo, hi = max(lo, -(m - 1)), min(hi, n - 1)
+    if lo > hi:
+        return 0
     # each diagonal d = j - i holds min(m, n - d) - max(0, -d) pairs, summed in closed
     # form over the stretches where neither bound switches
     total = 0
