@@ -88,17 +88,22 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
             plans[size] = plan_only(fn_at(sizes_x), tensors_x, options)[0]
         return plans[size]
 
+    near: list = []  # set where the far size did not serve: the next base does not try it
+
     def samples_from(base: int) -> list:
         # The far size, unless the graph does not run there (past a model's table of
         # positions) or the cost model fuses otherwise there (a larger batch makes other
         # fusions pay): then base + 2, which still shows a number that changes every other size
         names = [k.name for k in plan_of(base).kernels]
-        far = far_size(base)
-        try:
-            if [k.name for k in plan_of(far).kernels] != names:
-                far = base + 2
-        except EqfuseError:
-            far = base + 2
+        far = base + 2
+        if not near:
+            try:
+                if [k.name for k in plan_of(far_size(base)).kernels] == names:
+                    far = far_size(base)
+            except EqfuseError:
+                pass
+        if far == base + 2:
+            near.append(base)
         return [(size, plan_of(size)) for size in (base, base + 1, far)]
 
     def complete(plan, chosen):
