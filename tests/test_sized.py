@@ -265,3 +265,13 @@ def test_a_transposing_copy_takes_its_row_length_at_launch():
         torch.testing.assert_close(g(x), f(x))
     (compiled,) = eqfuse.backend.history
     assert [k.schedule.inner for k in compiled.kernels] == [20]
+
+
+def test_a_grid_that_grows_with_a_dynamic_batch_bounds_the_sizes_the_module_takes():
+    """The attention's grid is (query tiles, batch x heads): CUDA takes 65535 in its second
+    dimension, so a sized module over the batch runs batches up to 65535 // heads."""
+    sizes = (2, 3, far_size(2))
+    plans = _llama_plans(*((b, 16, 64) for b in sizes))
+    sized = sized_module(list(zip(sizes, plans)), "llama", "test", {})
+    heads = LlamaLayer().heads
+    assert sized.max_size == 65535 // heads

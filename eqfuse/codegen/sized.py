@@ -22,7 +22,8 @@ there only: the far size (``far_size``) is where it would show, and n + 2 where 
 changes every other size (``s // 2``). A threshold beyond all three (a sliding window
 wider than the sizes seen) cannot show; an attention kernel whose mask compares indices
 with a number that large is not sized. What sizes cannot show at all (whether 32-bit
-indices suffice) is a bound on the size, ``max_size``.
+indices suffice, whether a grid that grows with the size stays within CUDA's limits) is a
+bound on the size, ``max_size``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import io
 import tokenize
 from dataclasses import dataclass, replace
 
-from ..export import grid_formula, grid_sizes
+from ..export import evaluate_grid_formula, grid_formula, grid_sizes
 from ..schema import ops
 from ..schema.plan import FallbackStep, Plan
 from . import kernel as kgen
@@ -55,7 +56,7 @@ class SizedModule:
     source: str
     infos: list  # KernelInfo at the size the module was made at
     size_input: tuple  # (input position, dimension) that SIZE is read from
-    max_size: int  # the largest size whose buffers 32-bit indices reach
+    max_size: int  # the largest size whose buffers 32-bit indices reach and whose grids CUDA takes
     inputs: list  # per input: ((shape, strides) at size 0, (shape, strides) per unit of size)
 
     def input_layouts(self, size: int) -> list:
@@ -195,12 +196,14 @@ def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, versi
         infos.append(a)
     largest = max(per_size(b.numel, plan_b.buffers[name].numel, n, f"buffer {name}'s element count", m)
                   for name, b in plan_a.buffers.items())
+    max_size = (2**31 - 1) // max(largest, 1)
     formulas = {}
     for info in infos:
         for k in (info, info.fallback) if info.fallback is not None else (info,):
             formulas[k.name] = grid_formula(k)
             if formulas[k.name] is None:
                 raise NotSized(f"kernel {k.name}: its grid is not a formula over its sizes")
+            max_size = _grid_bound(formulas[k.name], {**k.constexprs, **grid_sizes(k)}, scales[k.name], max_size)
     inputs = _inputs(plan_a, plan_b, n, m)
     size_input = next(((i, d) for i, (_, (shape, _)) in enumerate(inputs) for d, c in enumerate(shape) if c == 1),
                       None)
@@ -223,7 +226,26 @@ def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, versi
 
     source = assemble(f"{title} (sized: every size of one dimension)", version, infos, launcher_line,
                       [b.name for b in plan_a.inputs], body, rets, launcher="SizedLauncher")
-    return SizedModule(source, infos, size_input, (2**31 - 1) // max(largest, 1), inputs)
+    return SizedModule(source, infos, size_input, max_size, inputs)
+
+
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's, per grid dimension
+
+
+def _grid_bound(formula: list, sizes: dict, per_size: dict, upto: int) -> int:
+    """The largest size up to ``upto`` whose grid stays within GRID_LIMITS (an attention's
+    second dimension, batch x heads, grows with a dynamic batch): grids grow with the
+    size, so the sizes that fit are those up to a bound, found by bisection."""
+    def fits(size):
+        grid = evaluate_grid_formula(formula, {**sizes, **{k: c * size for k, c in per_size.items()}})
+        return all(g <= limit for g, limit in zip(grid, GRID_LIMITS))
+    if fits(upto):
+        return upto
+    lo, hi = 0, upto  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _same_plan(plan_a: Plan, plan_b: Plan, n: int, m: int) -> None:
