@@ -94,9 +94,9 @@ def sized_module(samples: list, title: str, version: str, configs: dict, complet
     size the module is made at, each other one compared with it; all must give the same
     module. ``configs``: kernel name -> configuration (the first build's), kept for the
     kernels whose sizes do not follow the dynamic one; a matmul whose sizes do takes the
-    tiles best across sizes (``across_sizes``). ``complete(plan, configs)``: ``configs``
-    with one for each other kernel of the plan at the first size (on a GPU, the first
-    that launches); by default the tile model's first choice there. The plans are
+    tiles best across sizes (``across_sizes``). ``complete(size, plan, configs)``:
+    ``configs`` with one for each other kernel of the plan at the first size (on a GPU,
+    the first that launches); by default the tile model's first choice there. The plans are
     rewritten by code generation's ``prepare``. Raises NotSized."""
     for _, plan in samples:
         prepare(plan)
@@ -108,8 +108,8 @@ def sized_module(samples: list, title: str, version: str, configs: dict, complet
         _same_plan(plan_a, plan_x, n, m)
     configs = sized_configs(samples, configs)
     if complete is not None:
-        configs = complete(plan_a, configs)
-    configs = {**{k.name: kernel_info(k, plan_a.buffers).config for k in plan_a.kernels if k.name not in configs},
+        configs = complete(n, plan_a, configs)
+    configs = {**{k.name: kgen.default_config(kgen.schedule_of(k)) for k in plan_a.kernels if k.name not in configs},
                **configs}
     configs = _fitting(configs, [plan for _, plan in samples])
     made = [_merged_module(plan_a, plan_x, n, m, title, version, configs) for m, plan_x in others]
@@ -126,11 +126,9 @@ def sized_configs(samples: list, first: dict) -> dict:
     build's configuration where it had the kernel (the name), else none."""
     (n, plan_a), (m, plan_b), *_ = samples
     out = {}
-    others = {k.name: k for k in plan_b.kernels}
-    for ka in plan_a.kernels:
-        kb = others.get(ka.name)
-        sa, sb = kgen.schedule_of(ka), kb is not None and kgen.schedule_of(kb)
-        if sa.kind == "matmul" and sb and sb.kind == "matmul" and sa != sb:
+    for ka, kb in zip(plan_a.kernels, plan_b.kernels):  # the same kernels (_same_plan)
+        sa, sb = kgen.schedule_of(ka), kgen.schedule_of(kb)
+        if sa.kind == sb.kind == "matmul" and sa != sb:
             out[ka.name] = across_sizes(sa, sb, n, m)
         elif ka.name in first:
             out[ka.name] = first[ka.name]
@@ -142,7 +140,8 @@ def across_sizes(sa, sb, n: int, m: int) -> dict:
     time is closest to the best tiles' at every size of SIZES_AHEAD: the least of each
     candidate's worst ratio to the best there (ties: the model's order at n)."""
     scheds = [_schedule_at(sa, sb, n, m, max(1, round(f * n))) for f in SIZES_AHEAD]
-    candidates = [c for c in tiles.ranked(sa) if kgen.fits(sb, c)] or tiles.ranked(sa)
+    ranked = tiles.ranked(sa)
+    candidates = [c for c in ranked if kgen.fits(sb, c)] or ranked
     times = [[tiles.modelled_time_us(s, c) for s in scheds] for c in candidates]
     best = [min(t[i] for t in times) for i in range(len(scheds))]
     worst = [max(t[i] / best[i] for i in range(len(scheds))) for t in times]

@@ -12,7 +12,6 @@ than one symbol), each size compiles on its own.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
@@ -88,37 +87,30 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
             plans[size] = plan_only(fn_at(sizes_x), tensors_x, options)[0]
         return plans[size]
 
-    near: list = []  # set where the far size did not serve: the next base does not try it
+    def far_serves(base: int) -> bool:
+        # Not where the graph does not run (past a model's table of positions) or the cost
+        # model fuses otherwise (a larger batch makes other fusions pay): base + 2 then,
+        # which still shows a number that changes every other size
+        try:
+            return [k.name for k in plan_of(far_size(base)).kernels] == [k.name for k in plan_of(base).kernels]
+        except EqfuseError:
+            return False
 
-    def samples_from(base: int) -> list:
-        # The far size, unless the graph does not run there (past a model's table of
-        # positions) or the cost model fuses otherwise there (a larger batch makes other
-        # fusions pay): then base + 2, which still shows a number that changes every other size
-        names = [k.name for k in plan_of(base).kernels]
-        far = base + 2
-        if not near:
-            try:
-                if [k.name for k in plan_of(far_size(base)).kernels] == names:
-                    far = far_size(base)
-            except EqfuseError:
-                pass
-        if far == base + 2:
-            near.append(base)
-        return [(size, plan_of(size)) for size in (base, base + 1, far)]
-
-    def complete(plan, chosen):
+    def complete(size, plan, chosen):
         # kernels launched alone, at the plan's size: inputs that follow the size zeroed
         # there (a valid index, a number), the others as this call has them
-        size = next(s for s, p in plans.items() if p is plan)
         _, inputs = _at(example_inputs, sizes, tensors, {**values, symbol: size})
         inputs = [t if any(t is x for x in tensors) else t.zero_() for t in inputs]
         return _with_runnable_configs(plan, chosen, title, inputs, constants, parallel)
 
     # From the plans at this size n, n + 1 and a far one; where the cost model breaks a tie
     # otherwise at n than at the sizes beside it (a Llama layer stores k's rotary embedding
-    # as k at 640 tokens, as k^T at 641 and 642), from n + 1 on: that module runs n too
+    # as k at 640 tokens, as k^T at 641 and 642), from n + 1 on: that module runs n too.
+    # Where the far size did not serve n, it is not tried again for n + 1.
+    use_far = True
     for base in (value, value + 1):
-        samples = samples_from(base)
+        use_far = use_far and far_serves(base)
+        samples = [(size, plan_of(size)) for size in (base, base + 1, far_size(base) if use_far else base + 2)]
         try:
             sized = sized_module(samples, title, VERSION, configs, complete if device.type == "cuda" else None)
             break
@@ -153,15 +145,14 @@ def _with_runnable_configs(plan, configs: dict, title: str, tensors: list, const
     configurations that launches at this size (``choose_configs``, untimed), as a
     per-size build takes it: the model's first choice can need more shared memory than
     the GPU has (a Llama layer's attention with its rotary prologue at head dim 128 on
-    an H100)."""
-    from ..codegen.module import generate_module
+    an H100). ``plan`` is prepared already (the sized module's): code generation in the
+    trials prepares it again, which changes nothing."""
+    from ..codegen.module import kernel_info
     from ..codegen.sized import NotSized
     from .autotune import NoRunnableConfig, choose_configs
     from .compiled import VERSION
 
-    plan = copy.deepcopy(plan)  # the sized module's, which code generation would rewrite
-    _, infos = generate_module(plan, title, VERSION, configs)
-    missing = [i for i in infos if i.name not in configs]
+    missing = [kernel_info(k, plan.buffers) for k in plan.kernels if k.name not in configs]
     if not missing:
         return configs
     try:
