@@ -8,6 +8,11 @@ Each model runs forward (no_grad) then forward + backward, torch.compile first, 
 empty caches (this process's temporary directories) but in one process: the first compile
 of the process pays for imports and the pool's start. eqfuse runs untimed unless
 ``--autotune``. Prints, per graph, the stage seconds of eqfuse's report.
+
+``--phases`` then compiles each of eqfuse's kernels again, one at a time in this process
+into an empty cache, timing Triton's stages (source to TTIR, TTGIR, LLVM IR, PTX, and
+ptxas to the cubin) and noting its registers, spills and what it holds (a product, TMA,
+erf): where a pool's wall time goes when one kernel is its slowest.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from models import MODELS, first_call, step  # noqa: E402
 import eqfuse.backend  # noqa: E402
 from eqfuse.runtime import parallel_compile as pc  # noqa: E402
 
+SHOW_SOURCE_S = 1.0  # --phases keeps the source of kernels that took longer than this
 _jobs: list = []
+_sent: list = []  # the Job objects, for --phases
 _t0 = [0.0]
 _compile = pc._Worker.compile
 
@@ -37,6 +44,7 @@ _compile = pc._Worker.compile
 def _timed_compile(self, job, timeout):
     start = time.perf_counter()
     reply = _compile(self, job, timeout)
+    _sent.append(job)
     _jobs.append({"kernel": job.name, "start_s": round(start - _t0[0], 2),
                   "end_s": round(time.perf_counter() - _t0[0], 2),
                   "compile_s": round(reply.get("seconds", 0.0) - reply.get("launcher_seconds", 0.0), 2),
@@ -44,10 +52,59 @@ def _timed_compile(self, job, timeout):
     return reply
 
 
+def phases(job) -> dict:
+    """``job`` compiled again here, alone, into an empty cache: seconds per Triton stage."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from eqfuse.runtime.compile_worker import load_kernels
+
+    seconds: dict = {}
+
+    def timed(name, stage):
+        def run(src, metadata):
+            t = time.perf_counter()
+            out = stage(src, metadata)
+            seconds[name] = round(time.perf_counter() - t, 3)
+            return out
+        return run
+
+    before = knobs.runtime.add_stages_inspection_hook  # eqfuse's (runtime/ptx_loops.py)
+
+    def hook(backend, stages, options, language, capability):
+        if before is not None:
+            before(backend, stages, options, language, capability)
+        for name in list(stages):
+            stages[name] = timed(name, stages[name])
+
+    knobs.cache.dir = tempfile.mkdtemp(prefix="phases-")
+    knobs.runtime.add_stages_inspection_hook = hook
+    try:
+        fn = getattr(load_kernels(job.path, {}), job.name)
+        text = open(job.path).read()
+        start = time.perf_counter()
+        kernel = triton.compile(ASTSource(fn, job.signature, job.constexprs, job.attrs),
+                                target=GPUTarget(*job.target), options=job.options, _env_vars=job.env_vars)
+        total = time.perf_counter() - start
+        kernel._init_handles()  # loads the cubin: its registers and spills
+    finally:
+        knobs.runtime.add_stages_inspection_hook = before
+    body = text[text.find(f"def {job.name}("):]
+    body = body[:body.find("\n@triton.jit", 1) if "\n@triton.jit" in body else len(body)]
+    return {"kernel": job.name, "total_s": round(total, 3), "stages_s": seconds,
+            "source_s": round(total - sum(seconds.values()), 3),
+            "regs": kernel.n_regs, "spills": kernel.n_spills, "num_warps": kernel.metadata.num_warps,
+            "dot": "tl.dot" in body, "tma": "make_tensor_descriptor" in body, "erf": "erf" in body,
+            "lines": body.count("\n"), **({"source": body} if total > SHOW_SOURCE_S else {})}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("models", nargs="*", default=["bert", "gpt2", "llama"])
     p.add_argument("--autotune", action="store_true")
+    p.add_argument("--phases", action="store_true", help="time Triton's stages of each kernel, alone")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     pc._Worker.compile = _timed_compile
@@ -63,6 +120,7 @@ def main():
                 torch._dynamo.reset()
                 eqfuse.backend.history.clear()
                 _jobs.clear()
+                _sent.clear()
                 kw = ({"backend": "eqfuse", "options": {"autotune": args.autotune}} if contender == "eqfuse"
                       else {})
                 _t0[0] = time.perf_counter()
@@ -71,6 +129,10 @@ def main():
                 if contender == "eqfuse":
                     row[contender]["stages_s"] = [g.report.get("seconds", {}) for g in eqfuse.backend.history]
                     row[contender]["pool_jobs"] = sorted(_jobs, key=lambda j: j["start_s"])
+                    if args.phases:
+                        row[contender]["phases"] = sorted((phases(j) for j in _sent), key=lambda r: -r["total_s"])
+                        for r in row[contender]["phases"]:
+                            print("   ", r, flush=True)
             print(name, row["mode"], {c: row[c]["compile_s_cold"] for c in ("torch.compile", "eqfuse")},
                   *row["eqfuse"]["stages_s"], sep="\n  ", flush=True)
             rows.append(row)

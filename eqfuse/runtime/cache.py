@@ -84,6 +84,9 @@ def load_module(key: str, source: str, interpret: bool):
     if interpret:
         from . import interpreter_fixes
         interpreter_fixes.apply()
+    else:
+        from . import ptx_loops
+        ptx_loops.install()
     with _interpreter(interpret):
         spec.loader.exec_module(module)
     sys.modules[name] = module

@@ -125,6 +125,17 @@ def compile_job(job: dict, modules: dict) -> dict:
     return reply
 
 
+def _load_beside(name: str):
+    """The module ``name`` of this directory, loaded from its file (no package import)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"eqfuse_compile_worker_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> int:
     try:  # a worker yields to the process it works for, which builds the graph meanwhile
         os.nice(5)
@@ -136,6 +147,7 @@ def main() -> int:
     jobs = sys.stdin.buffer
     modules: dict = {}
     import triton.compiler  # noqa: F401 - imported while the graph is still being built
+    _load_beside("ptx_loops").install()  # the K loops' nounroll mark (it imports no eqfuse)
     while True:
         try:
             job = pickle.load(jobs)

@@ -119,6 +119,9 @@ def _compile_here(module_path: Path, requests, arch: int, out_dir: Path) -> dict
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from . import ptx_loops
+
+    ptx_loops.install(also=(module_path, Path(module_path).resolve()))
     name = f"eqfuse_aot_{abs(hash(str(module_path)))}"
     spec = importlib.util.spec_from_file_location(name, module_path)
     module = importlib.util.module_from_spec(spec)
