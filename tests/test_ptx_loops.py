@@ -118,8 +118,8 @@ def test_ptxas_keeps_the_k_loop_in_the_pool_and_the_jit(tmp_path):
     SASS holds one K step's HGMMA instructions; in another module, all 32 steps'."""
     a, b = torch.randn(768, 2048, dtype=torch.float16), torch.randn(2048, 768, dtype=torch.float16)
     source = eqfuse.compile(lambda a, b: a @ b, (a, b)).source
-    launch = re.search(r"k0_mm_launch = KernelLauncher\(k0_mm, \((\d+), 1\), \{([^}]*)\}, num_warps=\d+, num_stages=\d+",
-                       source)
+    launch = re.search(r"k0_mm_launch = KernelLauncher\(k0_mm, \(\d+, 1\), \{[^}]*\}, "
+                       r"num_warps=\d+, num_stages=\d+", source)
     assert launch, source[-800:]  # the CPU plan's tiles, replaced by the H100's
     tiles = "'M': 768, 'N': 768, 'K': 2048, 'BLOCK_M': 128, 'BLOCK_N': 128, 'BLOCK_K': 64, 'GROUP_M': 8"
     source = source.replace(launch.group(0),
