@@ -56,6 +56,31 @@ def test_module_training_step_matches_eager():
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+def test_validation_runs_without_aotautograds_modes(monkeypatch):
+    """AOTAutograd calls the compilers with its FakeTensorMode and PyTorch's Python
+    dispatcher on; the build's eager work (validation here) runs with neither, at eager's
+    speed on real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from eqfuse.rewrite import validate
+    seen = []
+    check = validate.mismatch
+
+    def watched(*args, **kwargs):
+        seen.append((torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher),
+                     any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())))
+        return check(*args, **kwargs)
+    monkeypatch.setattr(validate, "mismatch", watched)
+    torch._dynamo.reset()
+    x = torch.randn(8, 32, requires_grad=True)
+    out, grads = _input_grads(torch.compile(lambda x: torch.tanh(x) * x, backend="eqfuse"), (x,))
+    ref, ref_grads = _input_grads(lambda x: torch.tanh(x) * x, (x,))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(grads[0], ref_grads[0])
+    assert seen == [(False, False), (False, False)]  # the forward's validation, the backward's
+
+
 def test_options_reach_eqfuse():
     torch._dynamo.reset()
     eqfuse.backend.history.clear()
