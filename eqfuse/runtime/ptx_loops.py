@@ -9,15 +9,16 @@ waited on it). Whether ptxas unrolls follows no rule eqfuse can see: the same lo
 B read K-major, or with 128 x 256 tiles, stayed a loop.
 
 So Triton's PTX stage is wrapped (``knobs.runtime.add_stages_inspection_hook``, chained
-after any hook already set): in PTX that eqfuse generated, each innermost loop that
-issues ``wgmma.mma_async`` gets ``.pragma "nounroll";`` in its header block, which ptxas
-honours. The loops run as before, one K step an iteration; the loads are software-
-pipelined by Triton either way (its ``num_stages``), not by ptxas's unrolling.
+after any hook already set): in PTX that eqfuse generated, each product's K loop (see
+``nounroll_products``) gets ``.pragma "nounroll";`` in its header block, which ptxas
+honours. The loads are software-pipelined by Triton either way (its ``num_stages``), not
+by ptxas's unrolling; the weight gradient above ran 21.9 us kept against 20.6 unrolled
+(benchmarks/nounroll_probe.py), for 4 s less of compile.
 
 Only PTX whose ``.file`` names a module eqfuse wrote (``eqfuse_<key>.py`` in its cache,
-or the module an export compiles, named to ``install``) is touched; other Triton kernels in the process compile as
-they would. The mark is not in Triton's cache key: a kernel compiled before this module
-existed stays unrolled in that cache until it is compiled again (it runs the same).
+or the module an export compiles, named to ``install``) is touched; other Triton kernels
+in the process compile as they would. The mark is not in Triton's cache key: a kernel
+compiled before this module existed stays unrolled in that cache.
 
 The module imports nothing of eqfuse: the compile workers (compile_worker.py, a script
 that imports no eqfuse) install it too.
