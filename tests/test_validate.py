@@ -94,6 +94,16 @@ def test_piecewise_comparison_gives_the_whole_verdict(monkeypatch):
     assert validate._first_difference([nan], [e]) == "output 0: NaN in different places"
     ints = (e * 10).int()
     assert validate._first_difference([ints + (ints == ints[2, 2, 2]).int()], [ints]) == "output 0: values differ"
+    inf, e_inf = g.clone(), e.clone()
+    inf[1, 2, 3] = e_inf[1, 2, 3] = float("inf")  # the same infinity in both: no difference
+    assert validate._first_difference([inf], [e_inf]) is None
+    inf[4, 0, 1] = float("-inf")
+    assert validate._first_difference([inf], [e_inf]) == "output 0: infinities differ"
+    e_inf[4, 0, 1] = float("inf")  # an infinity of the other sign
+    assert validate._first_difference([inf], [e_inf]) == "output 0: infinities differ"
+    half = e.half()
+    assert validate._first_difference([half + 0.001 * half], [half]) is None  # within float16's tolerance
+    assert validate._first_difference([half + 0.1 * half], [half]).startswith("output 0: relative error")
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
