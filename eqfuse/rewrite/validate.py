@@ -415,19 +415,16 @@ def _compare(g: torch.Tensor, e: torch.Tensor, rtol: float) -> str | None:
     float64), the verdict read back once: a Llama layer's training forward compares
     twenty outputs of up to 180M elements, and waiting on each piece (four times, in
     float64 copies) took half a second of its cold compile on an H100."""
-    nan = inf = err2 = scale2 = None
+    flags, err2, scale2 = [], [], []  # per piece, on the device
     for gp, ep in zip(_pieces(g, CHUNK_ELEMENTS), _pieces(e, CHUNK_ELEMENTS)):
         gp, ep = (gp.float(), ep.float()) if e.dtype in (torch.float16, torch.bfloat16) else (gp, ep)
         g_nan, e_nan = torch.isnan(gp), torch.isnan(ep)
         finite = torch.isfinite(gp) & torch.isfinite(ep)
-        piece = (torch.stack([(g_nan != e_nan).any(), (~finite & ~(g_nan & e_nan) & (gp != ep)).any()]),
-                 torch.linalg.vector_norm(torch.where(finite, gp - ep, 0), dtype=torch.float64) ** 2,
-                 torch.linalg.vector_norm(torch.where(finite, ep, 0), dtype=torch.float64) ** 2)
-        if err2 is None:
-            (nan, inf), err2, scale2 = piece
-        else:
-            nan, inf, err2, scale2 = nan | piece[0][0], inf | piece[0][1], err2 + piece[1], scale2 + piece[2]
-    nan, inf, err2, scale2 = torch.stack([nan.double(), inf.double(), err2, scale2]).tolist()
+        flags.append(torch.stack([(g_nan != e_nan).any(), (~finite & ~(g_nan & e_nan) & (gp != ep)).any()]))
+        err2.append(torch.linalg.vector_norm(torch.where(finite, gp - ep, 0), dtype=torch.float64) ** 2)
+        scale2.append(torch.linalg.vector_norm(torch.where(finite, ep, 0), dtype=torch.float64) ** 2)
+    sums = torch.stack([torch.stack(err2).sum(), torch.stack(scale2).sum()])
+    nan, inf, err2, scale2 = torch.cat([torch.stack(flags).any(0).double(), sums]).tolist()  # one wait
     if nan:
         return "NaN in different places"
     if inf:
