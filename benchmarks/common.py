@@ -21,6 +21,26 @@ def inductor_compiled(fn, inputs):
     return compiled, time.perf_counter() - t0
 
 
+def stage_timer(record, before=None):
+    """A Triton stages-inspection hook (``knobs.runtime.add_stages_inspection_hook``) that
+    runs ``before`` (the hook already set: eqfuse's, runtime/ptx_loops.py), then times every
+    stage of each compile: ``record(stage name, seconds)`` as each ends, ``ttir`` first."""
+    def hook(backend, stages, options, language, capability):
+        if before is not None:
+            before(backend, stages, options, language, capability)
+        for name in list(stages):
+            stages[name] = timed(name, stages[name])
+
+    def timed(name, stage):
+        def run(src, metadata):
+            t = time.perf_counter()
+            out = stage(src, metadata)
+            record(name, round(time.perf_counter() - t, 3))
+            return out
+        return run
+    return hook
+
+
 def save_results(path: str | None, rows: list, **extra) -> None:
     """Write ``rows`` with the device, date and versions they were measured with."""
     if not path:

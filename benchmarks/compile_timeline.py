@@ -28,7 +28,7 @@ for var in ("EQFUSE_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from common import save_results  # noqa: E402
+from common import save_results, stage_timer  # noqa: E402
 from models import MODELS, first_call, step  # noqa: E402
 
 import eqfuse.backend  # noqa: E402
@@ -62,25 +62,9 @@ def phases(job) -> dict:
     from eqfuse.runtime.compile_worker import load_kernels
 
     seconds: dict = {}
-
-    def timed(name, stage):
-        def run(src, metadata):
-            t = time.perf_counter()
-            out = stage(src, metadata)
-            seconds[name] = round(time.perf_counter() - t, 3)
-            return out
-        return run
-
     before = knobs.runtime.add_stages_inspection_hook  # eqfuse's (runtime/ptx_loops.py)
-
-    def hook(backend, stages, options, language, capability):
-        if before is not None:
-            before(backend, stages, options, language, capability)
-        for name in list(stages):
-            stages[name] = timed(name, stages[name])
-
     knobs.cache.dir = tempfile.mkdtemp(prefix="phases-")
-    knobs.runtime.add_stages_inspection_hook = hook
+    knobs.runtime.add_stages_inspection_hook = stage_timer(seconds.__setitem__, before)
     try:
         fn = getattr(load_kernels(job.path, {}), job.name)
         text = open(job.path).read()

@@ -30,19 +30,17 @@ compiles once: eqfuse keeps the halves unrolled.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
 import tempfile
-import time
 
 os.environ["EQFUSE_PLAN_CACHE"] = "0"
 os.environ["EQFUSE_AUTOTUNE"] = "0"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import bench_interleaved, inductor_compiled, save_results  # noqa: E402
+from common import bench_interleaved, inductor_compiled, save_results, stage_timer  # noqa: E402
 
 import eqfuse  # noqa: E402
 from eqfuse.runtime.cache import cache_key, load_module  # noqa: E402
@@ -128,25 +126,13 @@ def time_stages() -> None:
     from triton import knobs
 
     from eqfuse.runtime import ptx_loops
+
+    def record(name, seconds):
+        if name == "ttir":  # a kernel's first stage
+            STAGES.append({})
+        STAGES[-1][name] = seconds
     ptx_loops.install()
-    before = knobs.runtime.add_stages_inspection_hook
-
-    def hook(backend, stages, options, language, capability):
-        if before is not None:
-            before(backend, stages, options, language, capability)
-        for name in list(stages):
-            stages[name] = timed(name, stages[name])
-
-    def timed(name, stage):
-        def run(src, metadata):
-            if name == "ttir":
-                STAGES.append({})
-            t = time.perf_counter()
-            out = stage(src, metadata)
-            STAGES[-1][name] = round(time.perf_counter() - t, 3)
-            return out
-        return run
-    knobs.runtime.add_stages_inspection_hook = hook
+    knobs.runtime.add_stages_inspection_hook = stage_timer(record, knobs.runtime.add_stages_inspection_hook)
 
 
 def variant(source: str, inputs, loop: bool, selects: bool):
@@ -192,7 +178,7 @@ def main():
             err = (run().float() - ref).abs().max().item()
             row["variants"][label] = {**facts, "max_rel_err": round(err / scale, 6)}
             fns[label] = run
-        flops = 2 * math.prod(inputs[0].shape) * (inputs[1].shape[0] if "W^T" in name else inputs[1].shape[1])
+        flops = 2 * ref.numel() * inputs[0].shape[-1]  # [M, N] out of M x K and K x N
         for label, us in bench_interleaved(fns).items():
             row["variants"].setdefault(label, {}).update(us=round(us, 1), tflops=round(flops / us / 1e6, 1))
         print(name, row["variants"], flush=True)
