@@ -138,8 +138,11 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     if math.prod(batch) > MAX_GRID_Y:
         raise Unschedulable(f"a batch of {math.prod(batch)} attention heads (the grid takes {MAX_GRID_Y})")
     e = dots[0].args[0].shape[-1] if dots else 0
+    band = masked_band(s)
+    from . import flash
+    plain = d in flash.HEAD_DIMS and flash.device_supports() and flash.form(spec, band, m) is not None
     return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype,
-                    dots=len(values), band=masked_band(s))
+                    dots=len(values), band=band, flash=plain)
 
 
 def attention_env(sched, axes: str, shape) -> Env:
@@ -418,7 +421,9 @@ def _static(node: PNode):
 # --- configurations ---------------------------------------------------------------------------
 
 def candidates(sched) -> list[dict]:
-    """Tile configurations in the model's order, clamped to the sizes."""
+    """Tile configurations in the model's order, clamped to the sizes; then, where the
+    kernel has the plain form on a Hopper GPU, the flash template's (codegen/flash.py)."""
+    from . import flash
     out = []
     for bm, bn, warps, stages in TILES:
         cfg = {"BLOCK_M": max(MIN_BLOCK, min(bm, next_pow2(sched.m))),
@@ -426,11 +431,14 @@ def candidates(sched) -> list[dict]:
                "num_warps": warps, "num_stages": stages}
         if cfg not in out:
             out.append(cfg)
-    return out
+    return out + flash.candidates(sched)
 
 
 def runnable(cfg: dict) -> bool:
-    """Whether a configuration (from a cache, or a user) is one an attention kernel can run with."""
+    """Whether a configuration (from a cache, or a user) is one an attention kernel can run
+    with (the flash template's: the same keys and FLASH = 1)."""
+    if "FLASH" in cfg:
+        return cfg["FLASH"] == 1 and runnable({k: v for k, v in cfg.items() if k != "FLASH"})
     return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N"))
 
 

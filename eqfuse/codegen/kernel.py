@@ -83,6 +83,7 @@ class Schedule:
     summed: bool = False  # matmul: the products are only added up (one accumulator, their K ranges end to end)
     d: int = 0  # attention: [*batch, M, N] scores, values [*batch, N, D]; k is q's head dim
     band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
+    flash: bool = False  # attention: the plain form the Hopper flash template computes (codegen/flash.py)
     tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
     tile_reads: int = 0  # matmul: loads after the K loop that vary along both M and N (a residual, a mask)
     gathered: int = 0  # matmul: operand loads beyond one per operand (a concatenation's parts, selected per element)
@@ -393,6 +394,7 @@ class KernelWriter:
     def __init__(self, spec: KernelSpec, buffers: dict, sched: Schedule, runtime: frozenset = frozenset()):
         self.spec = spec
         self.buffers = buffers
+        self.param_order: list | None = None  # see generate_kernel
         self.s = sched
         # Sizes passed at launch rather than fixed (codegen/sized.py): their axes are masked
         # whatever the size the kernel was generated at, which may divide evenly by chance
@@ -963,6 +965,9 @@ class KernelWriter:
                     self.store(root, buf, self.root_env(root))
                 if not s.persistent:
                     self.close_loop()
+        if self.param_order:
+            last = len(self.param_order)
+            self.params.sort(key=lambda p: self.param_order.index(p) if p in self.param_order else last)
         params = list(self.params) + [k if k in self.runtime else f"{k}: tl.constexpr" for k in s.sizes]
         params += [f"{k}: tl.constexpr" for k in cfg if k not in LAUNCH_OPTIONS]
         doc = ", ".join(self.spec.fx_nodes) or "(no FX node)"
@@ -1151,6 +1156,15 @@ def fallback_candidates(sched: Schedule) -> list[dict]:
     return tuning_candidates(sched)
 
 
+def unaligned_config(sched: Schedule, cfg: dict) -> dict:
+    """The configuration of the form a TMA kernel's launcher runs where an address is not
+    16-byte aligned: the same tiles one program per tile, or the flash template's
+    kernel in its portable form."""
+    if cfg.get("FLASH"):
+        return default_config(sched)
+    return {k: v for k, v in cfg.items() if k != "PROGRAMS"}
+
+
 def single_stage(configs: list[dict]) -> list[dict]:
     """The pipelined configurations among ``configs`` with one stage instead, each once."""
     out = []
@@ -1168,23 +1182,34 @@ class Generated:
     cfg: dict
     params: list  # parameter buffers, in signature order
     aligned: list  # those read or written through TMA descriptors: 16-byte aligned addresses only
+    constexprs: dict | None = None  # a template's (codegen/flash.py), in place of sizes and config
+    launch: dict | None = None  # likewise its launch options
 
 
 def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
-                    runtime: frozenset = frozenset()) -> Generated:
+                    runtime: frozenset = frozenset(), order: list | None = None) -> Generated:
     """Source of one kernel, for ``cfg`` if it fits the kernel, else for the default.
-    ``runtime``: size names (``RUNTIME_SIZES``) passed at launch instead of as constexprs."""
+    ``runtime``: size names (``RUNTIME_SIZES``) passed at launch instead of as constexprs.
+    ``order``: the parameters' order where another form of the kernel fixed it (the
+    launcher runs this one in its place with the same arguments)."""
     from .attention import spelled_out
     sched = schedule_of(spec)
     if sched.kind != "attention":
         spec = spelled_out(spec)
     if cfg is None or not fits(sched, cfg):
         cfg = default_config(sched)
+    if cfg.get("FLASH"):
+        from . import flash
+        g = flash.generate(spec, sched, buffers, cfg, runtime)
+        if g is not None:
+            return g
+        cfg = default_config(sched)
     if sched.kind == "attention":
         from .attention import AttentionWriter
         w = AttentionWriter(spec, buffers, sched, runtime)
     else:
         w = KernelWriter(spec, buffers, sched, runtime)
+    w.param_order = order
     text = w.write(cfg)
     return Generated(text, sched, cfg, w.params, [p for p in w.params if p in getattr(w, "tma_params", ())])
 

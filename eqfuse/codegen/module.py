@@ -59,16 +59,18 @@ class KernelInfo:
 
 
 def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
-                runtime: frozenset = frozenset()) -> KernelInfo:
-    g = kgen.generate_kernel(spec, buffers, cfg, runtime)
-    launch = {k: v for k, v in g.cfg.items() if k in kgen.LAUNCH_OPTIONS}
-    constexprs = {**g.sched.sizes, **{k: v for k, v in g.cfg.items() if k not in kgen.LAUNCH_OPTIONS}}
+                runtime: frozenset = frozenset(), order: list | None = None) -> KernelInfo:
+    g = kgen.generate_kernel(spec, buffers, cfg, runtime, order)
+    launch = g.launch if g.launch is not None else {k: v for k, v in g.cfg.items() if k in kgen.LAUNCH_OPTIONS}
+    constexprs = g.constexprs if g.constexprs is not None else \
+        {**g.sched.sizes, **{k: v for k, v in g.cfg.items() if k not in kgen.LAUNCH_OPTIONS}}
     info = KernelInfo(spec.name, g.text, list(spec.fx_nodes), constexprs, g.sched.grid(g.cfg), launch, g.sched,
                       g.params, spec, g.aligned)
-    if g.aligned:  # a TMA kernel: the pointer kernel of the same tiles for unaligned addresses
-        plain = {k: v for k, v in g.cfg.items() if k != "PROGRAMS"}
-        info.fallback = kernel_info(replace(spec, name=f"{spec.name}_unaligned"), buffers, plain, runtime)
-        if info.fallback.params != info.params:  # never seen: the two forms walk the kernel alike
+    if g.aligned:  # a TMA kernel: a pointer kernel, same arguments, for unaligned addresses
+        plain = kgen.unaligned_config(g.sched, g.cfg)
+        info.fallback = kernel_info(replace(spec, name=f"{spec.name}_unaligned"), buffers, plain, runtime,
+                                    order=g.params)
+        if info.fallback.params != info.params:  # not seen: both forms read the same buffers
             return kernel_info(spec, buffers, plain, runtime)
     return info
 

@@ -39,13 +39,35 @@ def _stub(*args, **kwargs):
     return None
 
 
+# Any other eqfuse import of a generated module (a template kernel, codegen/flash_hopper.py)
+# is stubbed too: a job for the template names the template's own file.
+_EQFUSE_IMPORT = re.compile(r"from eqfuse\.[\w.]+ import (\w+)(?: as (\w+))?$")
+
+
+def _stubbed(line: str) -> str:
+    if line in STUBS:
+        return STUBS[line]
+    m = _EQFUSE_IMPORT.match(line)
+    return f"{m.group(2) or m.group(1)} = _eqfuse_stub" if m else line
+
+
+def ast_source(fn, signature, constexprs, attrs):
+    """Triton's compile source for ``fn``: Gluon's for a Gluon kernel (its IR is built
+    another way), as Triton's JIT chooses."""
+    from triton.compiler import ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        return GluonASTSource(fn, signature, constexprs, attrs)
+    return ASTSource(fn, signature, constexprs, attrs)
+
+
 def load_kernels(path: str, modules: dict):
     """The generated module at ``path``, its torch and eqfuse imports stubbed."""
     module = modules.get(path)
     if module is None:
         with open(path) as f:
             lines = f.read().split("\n")
-        text = "\n".join(STUBS.get(line, line) for line in lines)  # one line for one: same numbering
+        text = "\n".join(_stubbed(line) for line in lines)  # one line for one: same numbering
         module = types.ModuleType(f"eqfuse_compile_worker_{len(modules)}")
         module.__file__ = path
         module.__dict__["_eqfuse_stub"] = _stub
@@ -103,12 +125,12 @@ def compile_job(job: dict, modules: dict) -> dict:
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
 
     knobs.cache.dir = job["cache_dir"]
     _ptxas_of_the_jit(job)
     fn = getattr(load_kernels(job["path"], modules), job["name"])
-    src = ASTSource(fn, job["signature"], job["constexprs"], job["attrs"])
+    src = ast_source(fn, job["signature"], job["constexprs"], job["attrs"])
     t0 = time.perf_counter()
     kernel = triton.compile(src, target=GPUTarget(*job["target"]), options=job["options"],
                             _env_vars=job["env_vars"])

@@ -172,9 +172,9 @@ def specialisation(launcher, args, target: tuple, backend=None) -> Job:
 def _key_inputs(fn, job: Job, backend):
     """The source and options triton.compile builds its key from (its first lines, as of
     Triton 3.6)."""
-    from triton.compiler import ASTSource
+    from .compile_worker import ast_source
 
-    src = ASTSource(fn, job.signature, job.constexprs, job.attrs)
+    src = ast_source(fn, job.signature, job.constexprs, job.attrs)
     return src, backend.parse_options(dict(job.options, **src.parse_options()))
 
 

@@ -120,6 +120,7 @@ def _compile_here(module_path: Path, requests, arch: int, out_dir: Path) -> dict
     from triton.backends.compiler import GPUTarget
 
     from . import ptx_loops
+    from .compile_worker import ast_source
 
     ptx_loops.install(also=(module_path, Path(module_path).resolve()))
     name = f"eqfuse_aot_{abs(hash(str(module_path)))}"
@@ -136,7 +137,7 @@ def _compile_here(module_path: Path, requests, arch: int, out_dir: Path) -> dict
         signature = {p: req.signature[p] for p in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", POINTER_ALIGN]]
                  for i, p in enumerate(fn.arg_names) if signature[p].startswith("*")}
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=dict(req.constexprs), attrs=attrs)
+        src = ast_source(fn, signature, dict(req.constexprs), attrs)
         try:
             kernel = triton.compile(src, target=target, options=dict(req.options))
         except Exception as e:  # noqa: BLE001 - Triton's errors are many; name the kernel

@@ -1,0 +1,216 @@
+"""When an attention kernel may run as the Hopper flash template (codegen/flash_hopper.py),
+and the template's constexprs for it.
+
+The rules and the attention schedule produce the kernel from whatever spelling the user
+wrote; this module only asks whether what they produced is the plain form the template
+computes: one softmax product and its sum over scores ``dot(q, k^T) * c`` (casts that
+change nothing aside), masked at most by a causal band (``codegen/attention.py`` finds
+it), with one output ``expdot / expsum`` in the operands' dtype; q, k and v read straight
+from buffers with a unit stride along the head dim, at most two batch dims (batch, heads),
+strides and offsets TMA can take. Anything else (a bias, a padding mask, a log-sum-exp
+output, a prologue on an operand) keeps the portable kernel.
+
+The template is one autotuning candidate among the portable kernel's, offered on Hopper
+(compute capability 9.0, compiled) at the head dims where it was measured to win.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+from ..schema import ops
+from ..schema.plan import KernelSpec, PNode
+
+# Head dims the autotuner is offered the template at: on an H200 (benchmarks/flash_hopper_probe.py)
+# it ran S=2048 D=128 fp16 in 531 us against the portable kernel's 623 (causal: 336 against
+# 359), and D=64 in 430-440 against 329: the portable kernel's 64-row tiles, two programs
+# per SM, suit that head dim better than two 64-row consumers sharing 128-key tiles.
+HEAD_DIMS = (128,)
+# (BLOCK_M, BLOCK_N, K/V ring depth as num_stages); two consumer warpgroups of BLOCK_M / 2 rows
+TILES = [(128, 128, 3), (128, 128, 2)]
+ALIGN = 16  # bytes: TMA base addresses and strides
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A [*batch, rows, D] operand read from ``buf``: element (b..., i, d) at
+    ``offset + sum(b * batch_strides) + i * row_stride + d``."""
+    buf: str
+    offset: int
+    batch_strides: tuple
+    row_stride: int
+
+
+@dataclass(frozen=True)
+class Form:
+    q: Operand
+    k: Operand
+    v: Operand
+    out: str  # the output buffer
+    scale: float  # the scores in log2 units are dot(q, k^T) * scale
+    band_hi: int | None  # causal: row i sees keys j <= i + band_hi
+
+
+@functools.cache
+def device_supports() -> bool:
+    """A CUDA GPU of compute capability 9.0 (wgmma needs sm_90a), compiled: Triton's CPU
+    interpreter does not run Gluon."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    try:
+        import torch
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    except Exception:  # noqa: BLE001 - no usable CUDA: no template
+        return False
+
+
+def candidates(sched) -> list[dict]:
+    """The template's configurations for an attention schedule that has the plain form."""
+    if not sched.flash or sched.d not in HEAD_DIMS or not device_supports():
+        return []
+    return [{"FLASH": 1, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": st} for bm, bn, st in TILES]
+
+
+def form(spec: KernelSpec, band, m: int) -> Form | None:
+    """The template's view of an attention kernel, or None where it is not the plain form."""
+    from .attention import _cast_is_free, _scaled, log2_scaled, streams, unmasked_scores
+
+    flows = streams(spec)
+    if sorted(f.op for f in flows) != ["expdot", "expsum"] or len(spec.roots) != 1:
+        return None
+    expdot = next(f for f in flows if f.op == "expdot")
+    expsum = next(f for f in flows if f.op == "expsum")
+    scores = expdot.args[0]
+    if band is None:
+        tree = scores
+    elif band[0] > -(m - 1):  # a window with a lower edge
+        return None
+    else:
+        tree = unmasked_scores(scores, band)
+        if tree is None:
+            return None
+    x, scale = _scaled(log2_scaled(tree))
+    while x.op == "cast" and _cast_is_free(x):
+        x = x.args[0]
+    if x.op != "dot" or scale is None:
+        return None
+    root, out = spec.roots[0]
+    if not _is_normalised(root, expdot, expsum) or root.dtype != expdot.args[1].dtype:
+        return None
+    # A constant factor on q or k (the scale written on an operand) joins the scale.
+    (q_node, q_factor), (k_node, k_factor) = (_factored(n) for n in x.args)
+    scale *= q_factor * k_factor
+    q, kt, v = (_operand(n, contiguous=axis) for n, axis in ((q_node, -1), (k_node, -2), (expdot.args[1], -1)))
+    if None in (q, kt, v) or len({q.buf, kt.buf, v.buf, out}) != 4:
+        return None
+    d, e = v_width(expdot), x.args[0].shape[-1]
+    if d != e or d % 16 or not 16 <= d <= 128 or len(root.shape) > 4:
+        return None
+    if x.args[0].dtype not in ("float16", "bfloat16") or len({x.args[0].dtype, x.args[1].dtype, root.dtype}) != 1:
+        return None
+    return Form(q, kt, v, out, scale, band[1] if band is not None else None)
+
+
+def v_width(expdot: PNode) -> int:
+    return expdot.args[1].shape[-1]
+
+
+def _strip(node: PNode, ops_: tuple) -> PNode:
+    while node.op in ops_:
+        node = node.args[0]
+    return node
+
+
+def _is_normalised(root: PNode, expdot: PNode, expsum: PNode) -> bool:
+    """``root`` is ``expdot / expsum`` under casts (the softmax's division, then a cast to
+    the output's dtype)."""
+    div = _strip(root, ("cast",))
+    if div.op != "binary" or div.attrs[0] != "div":
+        return False
+    return _strip(div.args[0], ("cast",)) is expdot and _strip(div.args[1], ("cast", "broadcast")) is expsum
+
+
+def _factored(node: PNode) -> tuple[PNode, float]:
+    """``(x, c)`` where ``node`` is ``x * c`` for a constant ``c > 0`` (``(node, 1)``
+    otherwise): a product's operand scaled before it."""
+    if node.op == "binary" and node.attrs[0] == "mul":
+        for x, c in (node.args, node.args[::-1]):
+            c = _strip(c, ("broadcast",))
+            if c.op == "const" and 0 < float(c.attrs[0]) < math.inf and x.shape == node.shape:
+                return x, float(c.attrs[0])
+    return node, 1.0
+
+
+def _operand(node: PNode, contiguous: int) -> Operand | None:
+    """An operand read straight from a buffer, with a unit stride along ``contiguous``
+    (-1: rows of D; -2: k^T, whose D runs down its columns)."""
+    if node.op != "load" or len(node.shape) > 4:
+        return None
+    buf, strides, offset = node.attrs
+    strides = tuple(strides)
+    if strides[contiguous] != 1:
+        return None
+    row = strides[-2] if contiguous == -1 else strides[-1]
+    item = ops.itemsize(node.dtype)
+    batch = strides[:-2]
+    if any((s * item) % ALIGN for s in (row, offset, *batch)):
+        return None
+    return Operand(buf, offset, batch, row)
+
+
+def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:
+    """The template's constexprs for ``cfg``, or None where the output buffer is not one TMA
+    can write (a unit stride along D, 16-byte strides)."""
+    from . import flash_hopper
+
+    out = buffers[f.out]
+    strides = tuple(out.layout)
+    item = ops.itemsize(out.dtype)
+    if strides[-1] != 1 or any((s * item) % ALIGN for s in strides[:-1]):
+        return None
+    o = Operand(f.out, 0, strides[:-2], strides[-2])
+    batch = tuple(sched.batch)
+    heads = batch[-1] if batch else 1
+    values = {"H": heads, "M": sched.m, "N": sched.n, "D": sched.d}
+    for name, op in (("Q", f.q), ("K", f.k), ("V", f.v), ("O", o)):
+        b_stride, h_stride = _batch_strides(op.batch_strides, len(batch))
+        row = "M" if name in "QO" else "N"
+        values.update({f"O{name}": op.offset, f"S{name}B": b_stride, f"S{name}H": h_stride,
+                       f"S{name}{row}": op.row_stride})
+    values.update(SCALE=f.scale, CAUSAL=f.band_hi is not None, BAND_HI=f.band_hi or 0,
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"],
+                  CONSUMER_REGS=flash_hopper.CONSUMER_REGS)
+    assert math.isfinite(f.scale)
+    return values
+
+
+def _batch_strides(strides: tuple, dims: int) -> tuple:
+    """(batch stride, head stride) of an operand over ``dims`` batch dims (0, 1 or 2)."""
+    if dims == 0:
+        return 0, 0
+    if dims == 1:
+        return 0, strides[0]
+    return strides[0], strides[1]
+
+
+def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozenset):
+    """The kernel as the template (``kernel.Generated``), or None where it cannot be: sizes
+    taken at launch (a sized module), or not the plain form."""
+    from . import flash_hopper
+    from .kernel import Generated
+
+    if runtime or not sched.flash:
+        return None
+    f = form(spec, sched.band, sched.m)
+    values = constexprs(f, sched, buffers, cfg) if f is not None else None
+    if values is None:
+        return None
+    params = [f.q.buf, f.k.buf, f.v.buf, f.out]
+    doc = ", ".join(spec.fx_nodes) or "(no FX node)"
+    text = (f"# {spec.name}: the Hopper flash-attention template (eqfuse/codegen/flash_hopper.py); FX nodes: {doc}\n"
+            f"from eqfuse.codegen.flash_hopper import flash_attention_hopper as {spec.name}\n")
+    return Generated(text, sched, cfg, params, params, constexprs=values,
+                     launch={"num_warps": 4, "maxnreg": flash_hopper.MAXNREG})

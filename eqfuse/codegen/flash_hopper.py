@@ -1,0 +1,231 @@
+"""Flash attention for Hopper, written in Gluon (Triton's explicit-layout dialect): a
+template the attention schedule offers the autotuner where a kernel has its plain form
+(codegen/flash.py says when).
+
+The portable attention kernel (codegen/attention.py) is plain Triton: each key tile's
+``q @ k^T`` must finish before its softmax starts, and the softmax before ``p @ v``
+starts, so the tensor cores idle while the exponentials run. Triton 3.6 gives no way to
+change that on Hopper (benchmarks/attention_probe.py tried prefetching the next product,
+warp_specialize and persistent programs). Gluon exposes the asynchronous ``wgmma``, its
+wait, mbarriers and warp specialisation, so this kernel overlaps the two the way
+FlashAttention-3 does. Within a warpgroup, the step for key tile ``j`` issues
+``S_j = q @ k_j^T``, then ``O += P_{j-1} @ v_{j-1}``, waits for ``S_j`` only and runs tile
+``j``'s softmax while the second product is still on the tensor cores. Across warpgroups,
+two consumers of 64 rows each run unsynchronised, fed by a loader warp through rings of
+``STAGES`` K and V slots. Measured on an H200 (benchmarks/flash_hopper_probe.py,
+S=2048, D=128, fp16): 531 us against 623 for the portable kernel and 449 for SDPA; at
+D=64 the portable kernel stays ahead (329 against 430 us), and the form is not offered
+there. This module imports only Triton: the compile pool's workers load it from its file.
+
+What it computes, per batch entry ``b``, head ``h`` and query row ``i``:
+
+    s_ij = (q_i . k_j) * SCALE                  (SCALE in log2 units: 1/sqrt(d) * log2(e))
+    s_ij = -inf  where j - i > BAND_HI          (CAUSAL; BAND_HI = 0 is the usual mask)
+    out_i = sum_j exp2(s_ij - m_i) v_j / sum_j exp2(s_ij - m_i),   m_i = max_j s_ij
+
+a row with no visible key gives NaN (0 / 0, as eager's softmax does). Operands are
+fp16 or bf16 ``[B, H, M or N, D]`` at offsets OQ, OK, OV, OO (elements) from their
+pointers, with any batch and head strides and a unit stride along D; offsets, strides and
+base addresses must be multiples of 16 bytes (TMA). The
+kernel makes its TMA descriptors on the device (Triton's global scratch), one set per
+program at the program's head. The sizes and strides are constexprs: the kernel is
+compiled for one shape, as eqfuse's generated kernels are.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+MAXNREG = 168  # registers per thread at launch: 12 warps x 32 x 168 fit the SM's 64K
+CONSUMER_REGS = 240  # each consumer warpgroup's after the loader gives back its own (24)
+
+
+@gluon.jit
+def _softmax_step(s, m_run, l_run, n0, rows, SCALE: gl.constexpr, N: gl.constexpr, BAND_HI: gl.constexpr,
+                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, masked):
+    """One key tile's share of the online softmax: the tile's probabilities ``p`` (fp32,
+    the scores' layout), the factor ``alpha`` the accumulator is rescaled by, and the new
+    running max and sum."""
+    if masked:  # a tile the causal edge or the end of the keys crosses
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        keep = cols[None, :] < N
+        if CAUSAL:
+            keep = keep & (cols[None, :] - rows[:, None] <= BAND_HI)
+        s = gl.where(keep, s, -float("inf"))
+    m_new = gl.maximum(m_run, gl.max(s, 1) * SCALE)
+    # A row that has seen only -inf keeps a finite reference: no NaN from -inf - -inf.
+    m_ref = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_run - m_ref)
+    p = gl.exp2(s * SCALE - m_ref[:, None])
+    l_new = l_run * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles,
+               HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: q's two halves once, then K and V tiles into their rings in the order
+    the consumers use them (K_i beside V_{i-1}), each as soon as both consumers have
+    released its slot."""
+    k_ready, k_empty, v_ready, v_empty = bars
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_m, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [off_m + HALF, 0], q_bar, q_smem.index(1))
+    tile_bytes: gl.constexpr = k_desc.block_type.nbytes
+    for i in range(tiles + 1):
+        # A fresh mbarrier counts as having completed the phase before its first: the
+        # first pass through a ring does not wait.
+        if i < tiles:
+            slot = i % STAGES
+            mbarrier.wait(k_empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), tile_bytes)
+            tma.async_copy_global_to_shared(k_desc, [i * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        if i > 0:
+            slot = (i - 1) % STAGES
+            mbarrier.wait(v_empty.index(slot), (((i - 1) // STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(slot), tile_bytes)
+            tma.async_copy_global_to_shared(v_desc, [(i - 1) * BLOCK_N, 0], v_ready.index(slot),
+                                            v_smem.index(slot))
+
+
+@gluon.jit
+def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles, WHICH: gl.constexpr,
+                 N: gl.constexpr, D: gl.constexpr, SCALE: gl.constexpr, CAUSAL: gl.constexpr,
+                 BAND_HI: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: rows ``off_m + WHICH * HALF`` on, every key tile of the program,
+    with the next tile's scores overlapping this tile's P @ V (as in the plain form)."""
+    k_ready, k_empty, v_ready, v_empty = bars
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q = q_smem.index(WHICH)
+    first = off_m + WHICH * HALF
+    edge = N // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        edge = gl.minimum(edge, gl.maximum(first + BAND_HI + 1, 0) // BLOCK_N * BLOCK_N)
+    rows = first + gl.arange(0, HALF, layout=row_layout)
+    m_run = gl.full([HALF], -float("inf"), gl.float32, layout=row_layout)
+    l_run = gl.zeros([HALF], gl.float32, layout=row_layout)
+    acc = gl.zeros([HALF, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    p = gl.zeros([HALF, BLOCK_N], dtype, layout=p_layout)
+    if tiles > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p32, alpha, m_run, l_run = _softmax_step(s, m_run, l_run, 0, rows, SCALE, N, BAND_HI, CAUSAL,
+                                                 BLOCK_N, edge == 0)
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+    for j in range(1, tiles):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(slot), count=1)  # this warpgroup is done with K's slot
+        n0 = j * BLOCK_N
+        p32, alpha, m_run, l_run = _softmax_step(s, m_run, l_run, n0, rows, SCALE, N, BAND_HI, CAUSAL,
+                                                 BLOCK_N, n0 >= edge)
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        mbarrier.arrive(v_empty.index(prev), count=1)  # and with V's
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+    if tiles > 0:
+        last = (tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((tiles - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc)
+
+    l_o = gl.convert_layout(l_run, gl.SliceLayout(1, o_layout))
+    out = acc / l_o[:, None]
+    q.store(out.to(dtype))  # this half of q is ours alone, and its last product has completed
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [first, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def flash_attention_hopper(
+        q_ptr, k_ptr, v_ptr, o_ptr,
+        H: gl.constexpr, M: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
+        OQ: gl.constexpr, OK: gl.constexpr, OV: gl.constexpr, OO: gl.constexpr,
+        SQB: gl.constexpr, SQH: gl.constexpr, SQM: gl.constexpr,
+        SKB: gl.constexpr, SKH: gl.constexpr, SKN: gl.constexpr,
+        SVB: gl.constexpr, SVH: gl.constexpr, SVN: gl.constexpr,
+        SOB: gl.constexpr, SOH: gl.constexpr, SOM: gl.constexpr,
+        SCALE: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        num_warps: gl.constexpr):
+    """One program per BLOCK_M query rows of one (batch, head), split FlashAttention-3's
+    way: a loader warp issues every TMA copy, and two warpgroups of 4 warps (the kernel's
+    ``num_warps`` and one worker) each own half of the rows. Each consumer releases a K or
+    V slot with its own mbarrier arrival, so the two drift apart and one's softmax runs
+    while the other's products hold the tensor cores. Launch with ``num_warps=4`` and
+    ``maxnreg=MAXNREG``: 12 warps' registers at launch, which the loader gives back to the
+    consumers (CONSUMER_REGS each)."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    HALF: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    pid = gl.program_id(0)
+    if CAUSAL:
+        pid = gl.num_programs(0) - 1 - pid
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    off_m = pid * BLOCK_M
+
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], dtype)
+    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    q_desc = tma.make_tensor_descriptor(q_ptr + OQ + b * SQB + h * SQH, shape=[M, D], strides=[SQM, 1],
+                                        block_shape=[HALF, D], layout=q_smem_layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr + OK + b * SKB + h * SKH, shape=[N, D], strides=[SKN, 1],
+                                        block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr + OV + b * SVB + h * SVH, shape=[N, D], strides=[SVN, 1],
+                                        block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+    o_desc = tma.make_tensor_descriptor(o_ptr + OO + b * SOB + h * SOH, shape=[M, D], strides=[SOM, 1],
+                                        block_shape=[HALF, D], layout=q_smem_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_smem_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_smem_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    bars = (k_ready, k_empty, v_ready, v_empty)
+
+    hi = N
+    if CAUSAL:
+        hi = gl.maximum(gl.minimum(N, off_m + BLOCK_M + BAND_HI), 0)
+    tiles = gl.cdiv(hi, BLOCK_N)
+
+    gl.warp_specialize([
+        (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles, 0,
+                        N, D, SCALE, CAUSAL, BAND_HI, HALF, BLOCK_N, STAGES)),
+        (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles, 1,
+                        N, D, SCALE, CAUSAL, BAND_HI, HALF, BLOCK_N, STAGES)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles,
+                      HALF, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])

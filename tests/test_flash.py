@@ -1,0 +1,124 @@
+"""The Hopper flash template (codegen/flash.py, codegen/flash_hopper.py): which attention
+kernels have the plain form it computes, what the module launches when it is chosen, and,
+on a Hopper GPU, its values against eager at ragged sizes."""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICE, assert_matches
+
+import eqfuse
+from eqfuse.codegen import flash
+from eqfuse.codegen.module import generate_module
+from eqfuse.examples import ATTENTION_EXAMPLES
+from eqfuse.runtime import cache
+from eqfuse.runtime.compile_worker import _stubbed
+
+LOG2E = 1 / math.log(2)
+
+
+def kernel_of(name, heads=2, seq=17, d=16, dtype=torch.float16, layout="bhsd"):
+    ex = ATTENTION_EXAMPLES[name]
+    torch.manual_seed(0)
+    inputs = list(ex.make_inputs(2, heads, seq, d, dtype, DEVICE))
+    if layout == "bshd":  # q, k, v as a projection leaves them: [B, S, H, D] seen as [B, H, S, D]
+        inputs[:3] = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in inputs[:3]]
+    compiled = eqfuse.compile(ex.fn, tuple(inputs), autotune=False)
+    (k,) = compiled.kernels
+    return compiled, k, inputs
+
+
+@pytest.mark.parametrize("name,causal", [("attention", False), ("attention_scale_on_q", False),
+                                         ("causal_attention", True), ("causal_attention_where", True),
+                                         ("causal_attention_bias", True), ("sdpa_causal", True)])
+def test_plain_spellings_have_the_flash_form(name, causal):
+    compiled, k, inputs = kernel_of(name)
+    f = flash.form(k.spec, k.schedule.band, k.schedule.m)
+    assert f is not None, name
+    assert f.band_hi == (0 if causal else None)
+    assert [f.q.buf, f.k.buf, f.v.buf] == [b.name for b in compiled.plan.inputs[:3]]
+    assert f.scale == pytest.approx(LOG2E / 4)  # 1/sqrt(16) in log2 units, wherever it was written
+    assert (f.q.row_stride, f.k.row_stride, f.q.batch_strides) == (16, 16, (2 * 17 * 16, 17 * 16))
+
+
+def test_operands_in_a_projections_layout_keep_their_strides():
+    _, k, _ = kernel_of("causal_attention", heads=3, layout="bshd")
+    f = flash.form(k.spec, k.schedule.band, k.schedule.m)
+    assert (f.q.row_stride, f.q.batch_strides) == (3 * 16, (17 * 3 * 16, 16))
+
+
+@pytest.mark.parametrize("name", ["padded_attention", "attention_scale_split"])
+def test_other_forms_keep_the_portable_kernel(name):
+    """A padding mask is a load in the scores; k scaled before its transpose is an index
+    map over a product, not a buffer read as stored."""
+    _, k, _ = kernel_of(name)
+    assert flash.form(k.spec, k.schedule.band, k.schedule.m) is None
+
+
+def test_odd_head_dims_and_float32_have_no_flash_form():
+    for d, dtype in ((8, torch.float16), (16, torch.float32)):
+        _, k, _ = kernel_of("attention", d=d, dtype=dtype)
+        assert flash.form(k.spec, k.schedule.band, k.schedule.m) is None, (d, dtype)
+
+
+def test_no_flash_candidate_without_a_hopper_gpu():
+    _, k, _ = kernel_of("causal_attention", d=128)
+    if not flash.device_supports():
+        assert not k.schedule.flash
+        assert not any("FLASH" in c for c in flash.candidates(k.schedule))
+
+
+def flash_module(monkeypatch, name, **kw):
+    """The module with the kernel as the template, as a Hopper GPU's autotuner would make it."""
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    compiled, k, inputs = kernel_of(name, **kw)
+    cfg = {"FLASH": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    source, infos = generate_module(compiled.plan, name, "test", {k.name: cfg})
+    return compiled, infos[0], source, inputs
+
+
+def test_the_module_launches_the_template_with_the_portable_kernel_for_unaligned_addresses(monkeypatch):
+    compiled, info, source, _ = flash_module(monkeypatch, "causal_attention", heads=3, seq=100, d=128)
+    assert f"from eqfuse.codegen.flash_hopper import flash_attention_hopper as {info.name}" in source
+    c = info.constexprs
+    assert (c["H"], c["M"], c["N"], c["D"], c["CAUSAL"], c["BAND_HI"], c["STAGES"]) == (3, 100, 100, 128, True, 0, 3)
+    assert c["SCALE"] == pytest.approx(LOG2E / math.sqrt(128))
+    assert info.launch == {"num_warps": 4, "maxnreg": 168}
+    assert info.grid == (1, 6)
+    # the portable kernel takes the same arguments in the same order
+    assert info.fallback is not None and info.fallback.params == info.params
+    assert "FLASH" not in info.fallback.constexprs and f"{info.name}_unaligned_launch" in source
+
+
+def test_a_sized_module_keeps_the_portable_kernel(monkeypatch):
+    """Sizes taken at launch: the template's are constexprs."""
+    from eqfuse.codegen.kernel import generate_kernel
+    compiled, info, _, _ = flash_module(monkeypatch, "attention", d=128)
+    cfg = {"FLASH": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    g = generate_kernel(compiled.plan.kernels[0], compiled.plan.buffers, cfg, runtime=frozenset({"M", "N"}))
+    assert g.constexprs is None and "@triton.jit" in g.text
+
+
+def test_the_compile_worker_stubs_a_template_import():
+    line = "from eqfuse.codegen.flash_hopper import flash_attention_hopper as k0_view_5"
+    assert _stubbed(line) == "k0_view_5 = _eqfuse_stub"
+    assert _stubbed("x = 1") == "x = 1"
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the template needs a Hopper GPU (sm_90a)")
+@pytest.mark.parametrize("seq", [1, 17, 100, 300])
+@pytest.mark.parametrize("name", ["attention", "causal_attention", "causal_attention_where", "sdpa_causal"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_template_matches_eager(monkeypatch, name, seq, layout, dtype):
+    compiled, info, source, inputs = flash_module(monkeypatch, name, heads=3, seq=seq, d=128, dtype=dtype,
+                                                  layout=layout)
+    module = cache.load_module(cache.cache_key(source, DEVICE), source)
+    got = module.call(inputs[0].device, [], *inputs)[0]
+    assert_matches(got, ATTENTION_EXAMPLES[name].fn(*inputs), contraction=True)
