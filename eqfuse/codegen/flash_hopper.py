@@ -169,8 +169,7 @@ def flash_attention_hopper(
         SVB: gl.constexpr, SVH: gl.constexpr, SVN: gl.constexpr,
         SOB: gl.constexpr, SOH: gl.constexpr, SOM: gl.constexpr,
         SCALE: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        num_warps: gl.constexpr):
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """One program per BLOCK_M query rows of one (batch, head), split FlashAttention-3's
     way: a loader warp issues every TMA copy, and two warpgroups of 4 warps (the kernel's
     ``num_warps`` and one worker) each own half of the rows. Each consumer releases a K or
@@ -178,7 +177,6 @@ def flash_attention_hopper(
     while the other's products hold the tensor cores. Launch with ``num_warps=4`` and
     ``maxnreg=MAXNREG``: 12 warps' registers at launch, which the loader gives back to the
     consumers (CONSUMER_REGS each)."""
-    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     pid = gl.program_id(0)
