@@ -69,13 +69,43 @@ def test_no_flash_candidate_without_a_hopper_gpu():
         assert not any("FLASH" in c for c in flash.candidates(k.schedule))
 
 
-def flash_module(monkeypatch, name, **kw):
+PER_PROGRAM = {"FLASH": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+PERSISTENT = {**PER_PROGRAM, "FLASH": 2, "num_stages": 2}
+
+
+def flash_module(monkeypatch, name, cfg=PER_PROGRAM, **kw):
     """The module with the kernel as the template, as a Hopper GPU's autotuner would make it."""
     monkeypatch.setattr(flash, "device_supports", lambda: True)
+    if not torch.cuda.is_available():  # the persistent form asks the GPU for its SMs and L2
+        monkeypatch.setattr(flash, "persistent_programs", lambda sched, item: (132, 24))
     compiled, k, inputs = kernel_of(name, **kw)
-    cfg = {"FLASH": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
     source, infos = generate_module(compiled.plan, name, "test", {k.name: cfg})
     return compiled, infos[0], source, inputs
+
+
+def test_persistent_programs_walk_collapsed_operands(monkeypatch):
+    _, info, source, _ = flash_module(monkeypatch, "causal_attention", PERSISTENT, heads=3, seq=256, d=64)
+    c = info.constexprs
+    assert c["PROGRAMS"] > 0 and info.grid == (c["PROGRAMS"],) and (c["BH"], c["STAGES"]) == (6, 2)
+    assert info.fallback is not None and info.fallback.params == info.params
+
+
+@pytest.mark.parametrize("layout,seq", [("bshd", 256), ("bhsd", 200)])
+def test_persistent_form_only_where_heads_and_rows_collapse(monkeypatch, layout, seq):
+    """Heads interleaved with rows, or a ragged last block (a tile would reach into the next
+    head): one program per block."""
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    _, k, _ = kernel_of("attention", heads=3, seq=seq, d=64, layout=layout)
+    assert k.schedule.flash in (1, 2)
+    assert not any(c["FLASH"] == 2 for c in flash.candidates(k.schedule))
+
+
+def test_per_program_form_only_at_head_dim_128(monkeypatch):
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    _, k, _ = kernel_of("attention", heads=3, seq=256, d=64)
+    assert [c["FLASH"] for c in flash.candidates(k.schedule)] == [2]
+    _, k, _ = kernel_of("attention", heads=3, seq=256, d=128)
+    assert sorted(c["FLASH"] for c in flash.candidates(k.schedule)) == [1, 1, 2]
 
 
 def test_the_module_launches_the_template_with_the_portable_kernel_for_unaligned_addresses(monkeypatch):
@@ -110,15 +140,19 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+CASES = [(PER_PROGRAM, 128, seq, layout) for seq in (1, 17, 100, 300) for layout in ("bhsd", "bshd")] + \
+    [(PERSISTENT, d, seq, "bhsd") for d in (64, 128) for seq in (128, 384)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the template needs a Hopper GPU (sm_90a)")
-@pytest.mark.parametrize("seq", [1, 17, 100, 300])
+@pytest.mark.parametrize("cfg,d,seq,layout", CASES)
 @pytest.mark.parametrize("name", ["attention", "causal_attention", "causal_attention_where", "sdpa_causal"])
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_template_matches_eager(monkeypatch, name, seq, layout, dtype):
-    compiled, info, source, inputs = flash_module(monkeypatch, name, heads=3, seq=seq, d=128, dtype=dtype,
+def test_template_matches_eager(monkeypatch, name, cfg, d, seq, layout, dtype):
+    compiled, info, source, inputs = flash_module(monkeypatch, name, cfg, heads=3, seq=seq, d=d, dtype=dtype,
                                                   layout=layout)
+    assert info.constexprs["PROGRAMS"] if cfg["FLASH"] == 2 else info.constexprs["PROGRAMS"] == 0
     module = cache.load_module(cache.cache_key(source, DEVICE), source, interpret=False)
     got = module.call(inputs[0].device, [], *inputs)[0]
     assert_matches(got, ATTENTION_EXAMPLES[name].fn(*inputs), contraction=True)

@@ -140,9 +140,9 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     e = dots[0].args[0].shape[-1] if dots else 0
     band = masked_band(s)
     from . import flash
-    plain = d in flash.HEAD_DIMS and flash.device_supports() and flash.form(spec, band, m) is not None
+    plain = flash.form(spec, band, m) if flash.device_supports() else None
     return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype,
-                    dots=len(values), band=band, flash=plain)
+                    dots=len(values), band=band, flash=0 if plain is None else 1 + plain.collapsible)
 
 
 def attention_env(sched, axes: str, shape) -> Env:
@@ -438,7 +438,7 @@ def runnable(cfg: dict) -> bool:
     """Whether a configuration (from a cache, or a user) is one an attention kernel can run
     with (the flash template's: the same keys and FLASH = 1)."""
     if "FLASH" in cfg:
-        return cfg["FLASH"] == 1 and runnable({k: v for k, v in cfg.items() if k != "FLASH"})
+        return cfg["FLASH"] in (1, 2) and runnable({k: v for k, v in cfg.items() if k != "FLASH"})
     return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N"))
 
 

@@ -24,14 +24,17 @@ from dataclasses import dataclass
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
 
-# Head dims the autotuner is offered the template at: on an H200 (benchmarks/flash_hopper_probe.py)
-# it ran S=2048 D=128 fp16 in 531 us against the portable kernel's 623 (causal: 336 against
-# 359), and D=64 in 430-440 against 329: the portable kernel's 64-row tiles, two programs
-# per SM, suit that head dim better than two 64-row consumers sharing 128-key tiles.
-HEAD_DIMS = (128,)
-# (BLOCK_M, BLOCK_N, K/V ring depth as num_stages); two consumer warpgroups of BLOCK_M / 2 rows
-TILES = [(128, 128, 3), (128, 128, 2)]
+# The template's configurations the autotuner is offered: (FLASH, head dims, BLOCK_M,
+# BLOCK_N, K/V ring depth as num_stages), two consumer warpgroups of BLOCK_M / 2 rows each.
+# FLASH = 1: one program per query block; 2: persistent programs (where heads and rows
+# collapse and no tile is ragged: ``Form.collapsible``). On an H200
+# (benchmarks/flash_hopper_probe.py, S=2048 fp16): at D=128 one program per block ran
+# 536-557 us, persistent 494, the portable kernel 637, SDPA 516 (causal: 349-369, 289,
+# 373, 313); at D=64 one program per block lost to the portable kernel (405-449 against
+# 336 us), persistent tied it (337; causal 189 against 200).
+TILES = [(2, (64, 128), 128, 128, 2), (1, (128,), 128, 128, 3), (1, (128,), 128, 128, 2)]
 ALIGN = 16  # bytes: TMA base addresses and strides
+L2_SHARE = 0.5  # of the L2 cache: the K and V of the heads a persistent program set runs at once
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Form:
     out: str  # the output buffer
     scale: float  # the scores in log2 units are dot(q, k^T) * scale
     band_hi: int | None  # causal: row i sees keys j <= i + band_hi
+    collapsible: bool  # q, k, v are [heads x rows, D] boxes: batch, head and row strides compose
 
 
 @functools.cache
@@ -68,10 +72,25 @@ def device_supports() -> bool:
 
 
 def candidates(sched) -> list[dict]:
-    """The template's configurations for an attention schedule that has the plain form."""
-    if not sched.flash or sched.d not in HEAD_DIMS or not device_supports():
+    """The template's configurations for an attention schedule that has the plain form
+    (``sched.flash``: 1, or 2 where the operands collapse)."""
+    if not sched.flash or not device_supports():
         return []
-    return [{"FLASH": 1, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": st} for bm, bn, st in TILES]
+    out = []
+    for form_, dims, bm, bn, stages in TILES:
+        if sched.d in dims and sched.flash >= form_ and (form_ == 1 or (sched.m % bm == 0 and sched.n % bn == 0)):
+            out.append({"FLASH": form_, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": stages})
+    return out
+
+
+def collapses(op: Operand, batch: tuple, rows: int) -> bool:
+    """Whether the operand's (batch, head, row) strides compose into one row stride."""
+    stride, size = op.row_stride, rows
+    for s, n in zip(reversed(op.batch_strides), reversed(batch)):
+        if s != stride * size:
+            return False
+        stride, size = s, n
+    return True
 
 
 def form(spec: KernelSpec, band, m: int) -> Form | None:
@@ -111,7 +130,10 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
         return None
     if x.args[0].dtype not in ("float16", "bfloat16") or len({x.args[0].dtype, x.args[1].dtype, root.dtype}) != 1:
         return None
-    return Form(q, kt, v, out, scale, band[1] if band is not None else None)
+    batch = tuple(root.shape[:-2])
+    m, n = x.shape[-2:]
+    collapsible = collapses(q, batch, m) and collapses(kt, batch, n) and collapses(v, batch, n)
+    return Form(q, kt, v, out, scale, band[1] if band is not None else None, collapsible)
 
 
 def v_width(expdot: PNode) -> int:
@@ -173,6 +195,10 @@ def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:
         return None
     o = Operand(f.out, 0, strides[:-2], strides[-2])
     batch = tuple(sched.batch)
+    persistent = cfg["FLASH"] == 2
+    if persistent and not (f.collapsible and collapses(o, batch, sched.m)
+                           and sched.m % cfg["BLOCK_M"] == 0 and sched.n % cfg["BLOCK_N"] == 0):
+        return None
     heads = batch[-1] if batch else 1
     values = {"H": heads, "M": sched.m, "N": sched.n, "D": sched.d}
     for name, op in (("Q", f.q), ("K", f.k), ("V", f.v), ("O", o)):
@@ -182,9 +208,21 @@ def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:
                        f"S{name}{row}": op.row_stride})
     values.update(SCALE=f.scale, CAUSAL=f.band_hi is not None, BAND_HI=f.band_hi or 0,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"],
-                  CONSUMER_REGS=flash_hopper.CONSUMER_REGS)
-    assert math.isfinite(f.scale)
+                  CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=math.prod(batch), PROGRAMS=0, CHUNK=0)
+    if persistent:
+        values["PROGRAMS"], values["CHUNK"] = persistent_programs(sched, item)
     return values
+
+
+def persistent_programs(sched, itemsize: int) -> tuple[int, int]:
+    """(programs, heads per L2 chunk) of the persistent form on this GPU: a program per SM
+    (one fits, by shared memory), and as many heads at once as keep their K and V in
+    L2_SHARE of the L2 cache."""
+    import torch
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    items = math.prod(sched.batch) * -(-sched.m // 128)
+    per_head = 2 * sched.n * sched.d * itemsize
+    return min(props.multi_processor_count, items), max(1, int(props.L2_cache_size * L2_SHARE) // per_head)
 
 
 def _batch_strides(strides: tuple, dims: int) -> tuple:
@@ -212,5 +250,6 @@ def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozens
     doc = ", ".join(spec.fx_nodes) or "(no FX node)"
     text = (f"# {spec.name}: the Hopper flash-attention template (eqfuse/codegen/flash_hopper.py); FX nodes: {doc}\n"
             f"from eqfuse.codegen.flash_hopper import flash_attention_hopper as {spec.name}\n")
+    grid = (values["PROGRAMS"],) if values["PROGRAMS"] else None
     return Generated(text, sched, cfg, params, params, constexprs=values,
-                     launch={"num_warps": 4, "maxnreg": flash_hopper.MAXNREG})
+                     launch={"num_warps": 4, "maxnreg": flash_hopper.MAXNREG}, grid=grid)

@@ -70,39 +70,95 @@ def _softmax_step(s, m_run, l_run, n0, rows, SCALE: gl.constexpr, N: gl.constexp
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles,
-               HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: q's two halves once, then K and V tiles into their rings in the order
-    the consumers use them (K_i beside V_{i-1}), each as soon as both consumers have
-    released its slot."""
-    k_ready, k_empty, v_ready, v_empty = bars
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_m, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [off_m + HALF, 0], q_bar, q_smem.index(1))
-    tile_bytes: gl.constexpr = k_desc.block_type.nbytes
-    for i in range(tiles + 1):
-        # A fresh mbarrier counts as having completed the phase before its first: the
-        # first pass through a ring does not wait.
-        if i < tiles:
-            slot = i % STAGES
-            mbarrier.wait(k_empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(slot), tile_bytes)
-            tma.async_copy_global_to_shared(k_desc, [i * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        if i > 0:
-            slot = (i - 1) % STAGES
-            mbarrier.wait(v_empty.index(slot), (((i - 1) // STAGES) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(slot), tile_bytes)
-            tma.async_copy_global_to_shared(v_desc, [(i - 1) * BLOCK_N, 0], v_ready.index(slot),
-                                            v_smem.index(slot))
+def _work(t, mblk0, bh0, PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr, CHUNK: gl.constexpr,
+          CAUSAL: gl.constexpr):
+    """The query block and (batch x head) of work item ``t``. One program per item: the
+    program's own. Persistent: heads in chunks of CHUNK, whose K and V stay in L2 while
+    their query blocks run, and within a chunk the longest query blocks first when causal."""
+    if PROGRAMS:
+        chunk = t // (MB * CHUNK)
+        width = gl.minimum(CHUNK, BH - chunk * CHUNK)
+        r = t - chunk * (MB * CHUNK)
+        mblk = r // width
+        bh = chunk * CHUNK + r % width
+        if CAUSAL:
+            mblk = MB - 1 - mblk
+    else:
+        mblk = mblk0
+        bh = bh0
+    return mblk, bh
 
 
 @gluon.jit
-def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles, WHICH: gl.constexpr,
-                 N: gl.constexpr, D: gl.constexpr, SCALE: gl.constexpr, CAUSAL: gl.constexpr,
-                 BAND_HI: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: rows ``off_m + WHICH * HALF`` on, every key tile of the program,
-    with the next tile's scores overlapping this tile's P @ V (as in the plain form)."""
-    k_ready, k_empty, v_ready, v_empty = bars
+def _key_tiles(off_m, N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               BAND_HI: gl.constexpr):
+    """The key tiles rows ``off_m .. off_m + BLOCK_M`` see: ``[0, tiles)``."""
+    if CAUSAL:
+        return gl.cdiv(gl.maximum(gl.minimum(N, off_m + BLOCK_M + BAND_HI), 0), BLOCK_N)
+    return gl.cdiv(N, BLOCK_N)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
+            M: gl.constexpr, N: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
+            PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr, CHUNK: gl.constexpr):
+    """One warp: per work item, q's two halves, and K and V tiles into their rings in the
+    order the consumers use them (K_i beside V_{i-1}), each as soon as both consumers have
+    released its slot. The rings run on across items: the next item's first K tile is
+    fetched while the consumers finish this one."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    start, stop, step, mblk0, bh0 = work
+    HALF: gl.constexpr = BLOCK_M // 2
+    tile_bytes: gl.constexpr = k_desc.block_type.nbytes
+    it = 0  # K and V tiles fetched, over all items
+    qi = 0  # items begun
+    for t in range(start, stop, step):
+        mblk, bh = _work(t, mblk0, bh0, PROGRAMS, MB, BH, CHUNK, CAUSAL)
+        off_m = mblk * BLOCK_M
+        tiles = _key_tiles(off_m, N, BLOCK_M, BLOCK_N, CAUSAL, BAND_HI)
+        # Persistent programs read collapsed [heads x rows, D] boxes; the others one head's.
+        q_row = off_m + (bh * M if PROGRAMS else 0)
+        k_row = bh * N if PROGRAMS else 0
+        qb = qi % QBUF
+        for i in range(tiles + 1):
+            # A fresh mbarrier counts as having completed the phase before its first: the
+            # first pass through a ring does not wait.
+            if i < tiles:
+                g = it + i
+                slot = g % STAGES
+                mbarrier.wait(k_empty.index(slot), ((g // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(slot), tile_bytes)
+                tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, 0], k_ready.index(slot),
+                                                k_smem.index(slot))
+            if i == 0:
+                mbarrier.wait(q_empty.index(qb), ((qi // QBUF) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready.index(qb), q_smem.index(2 * qb))
+                tma.async_copy_global_to_shared(q_desc, [q_row + HALF, 0], q_ready.index(qb),
+                                                q_smem.index(2 * qb + 1))
+            if i > 0:
+                g = it + i - 1
+                slot = g % STAGES
+                mbarrier.wait(v_empty.index(slot), ((g // STAGES) & 1) ^ 1)
+                mbarrier.expect(v_ready.index(slot), tile_bytes)
+                tma.async_copy_global_to_shared(v_desc, [k_row + (i - 1) * BLOCK_N, 0], v_ready.index(slot),
+                                                v_smem.index(slot))
+        it += tiles
+        qi += 1
+
+
+@gluon.jit
+def _consumer(o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, WHICH: gl.constexpr,
+              M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, SCALE: gl.constexpr, CAUSAL: gl.constexpr,
+              BAND_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              QBUF: gl.constexpr, PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr,
+              CHUNK: gl.constexpr):
+    """One warpgroup: per work item, rows ``WHICH * HALF`` on of its query block, over
+    every key tile they see, with the next tile's scores overlapping this tile's P @ V."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    start, stop, step, mblk0, bh0 = work
+    HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -110,52 +166,71 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles, WHICH: 
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q = q_smem.index(WHICH)
-    first = off_m + WHICH * HALF
-    edge = N // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        edge = gl.minimum(edge, gl.maximum(first + BAND_HI + 1, 0) // BLOCK_N * BLOCK_N)
-    rows = first + gl.arange(0, HALF, layout=row_layout)
-    m_run = gl.full([HALF], -float("inf"), gl.float32, layout=row_layout)
-    l_run = gl.zeros([HALF], gl.float32, layout=row_layout)
-    acc = gl.zeros([HALF, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
+    o_tile = o_smem.index(WHICH)
+    it = 0  # K and V tiles consumed, over all items
+    qi = 0  # items begun
+    for t in range(start, stop, step):
+        mblk, bh = _work(t, mblk0, bh0, PROGRAMS, MB, BH, CHUNK, CAUSAL)
+        off_m = mblk * BLOCK_M
+        tiles = _key_tiles(off_m, N, BLOCK_M, BLOCK_N, CAUSAL, BAND_HI)
+        first = off_m + WHICH * HALF
+        edge = N // BLOCK_N * BLOCK_N  # key tiles from here on need a mask
+        if CAUSAL:
+            edge = gl.minimum(edge, gl.maximum(first + BAND_HI + 1, 0) // BLOCK_N * BLOCK_N)
+        rows = first + gl.arange(0, HALF, layout=row_layout)
+        m_run = gl.full([HALF], -float("inf"), gl.float32, layout=row_layout)
+        l_run = gl.zeros([HALF], gl.float32, layout=row_layout)
+        acc = gl.zeros([HALF, D], gl.float32, layout=o_layout)
+        qb = qi % QBUF
+        q = q_smem.index(2 * qb + WHICH)
+        mbarrier.wait(q_ready.index(qb), (qi // QBUF) & 1)
 
-    p = gl.zeros([HALF, BLOCK_N], dtype, layout=p_layout)
-    if tiles > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p32, alpha, m_run, l_run = _softmax_step(s, m_run, l_run, 0, rows, SCALE, N, BAND_HI, CAUSAL,
-                                                 BLOCK_N, edge == 0)
-        p = gl.convert_layout(p32.to(dtype), p_layout)
-    for j in range(1, tiles):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(slot), count=1)  # this warpgroup is done with K's slot
-        n0 = j * BLOCK_N
-        p32, alpha, m_run, l_run = _softmax_step(s, m_run, l_run, n0, rows, SCALE, N, BAND_HI, CAUSAL,
-                                                 BLOCK_N, n0 >= edge)
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        mbarrier.arrive(v_empty.index(prev), count=1)  # and with V's
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p = gl.convert_layout(p32.to(dtype), p_layout)
-    if tiles > 0:
-        last = (tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last), acc)
+        p = gl.zeros([HALF, BLOCK_N], dtype, layout=p_layout)
+        if tiles > 0:
+            slot = it % STAGES
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p32, alpha, m_run, l_run = _softmax_step(s, m_run, l_run, 0, rows, SCALE, N, BAND_HI, CAUSAL,
+                                                     BLOCK_N, edge == 0)
+            p = gl.convert_layout(p32.to(dtype), p_layout)
+        for j in range(1, tiles):
+            g = it + j
+            slot = g % STAGES
+            prev = (g - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            # The scores are ready once at most one product (P @ V) is in flight.
+            s = warpgroup_mma_wait(1, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(slot), count=1)  # this warpgroup is done with K's slot
+            n0 = j * BLOCK_N
+            p32, alpha, m_run, l_run = _softmax_step(s, m_run, l_run, n0, rows, SCALE, N, BAND_HI, CAUSAL,
+                                                     BLOCK_N, n0 >= edge)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            mbarrier.arrive(v_empty.index(prev), count=1)  # and with V's
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p = gl.convert_layout(p32.to(dtype), p_layout)
+        if tiles > 0:
+            g = it + tiles - 1
+            last = g % STAGES
+            mbarrier.wait(v_ready.index(last), (g // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(last), acc)
+            mbarrier.arrive(v_empty.index(last), count=1)
+        mbarrier.arrive(q_empty.index(qb), count=1)  # its products are done: q's buffer is free
 
-    l_o = gl.convert_layout(l_run, gl.SliceLayout(1, o_layout))
-    out = acc / l_o[:, None]
-    q.store(out.to(dtype))  # this half of q is ours alone, and its last product has completed
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [first, 0], q)
+        # out = acc / l; a row with no visible key is 0 / 0.
+        l_o = gl.convert_layout(l_run, gl.SliceLayout(1, o_layout))
+        out = acc / l_o[:, None]
+        if PROGRAMS:
+            tma.store_wait(0)  # the last item's output has left this warpgroup's staging tile
+        o_tile.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [first + (bh * M if PROGRAMS else 0), 0], o_tile)
+        it += tiles
+        qi += 1
     tma.store_wait(0)
 
 
@@ -169,61 +244,84 @@ def flash_attention_hopper(
         SVB: gl.constexpr, SVH: gl.constexpr, SVN: gl.constexpr,
         SOB: gl.constexpr, SOH: gl.constexpr, SOM: gl.constexpr,
         SCALE: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """One program per BLOCK_M query rows of one (batch, head), split FlashAttention-3's
-    way: a loader warp issues every TMA copy, and two warpgroups of 4 warps (the kernel's
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        BH: gl.constexpr, PROGRAMS: gl.constexpr, CHUNK: gl.constexpr):
+    """Query blocks of BLOCK_M rows of one (batch, head), split FlashAttention-3's way: a
+    loader warp issues every TMA copy, and two warpgroups of 4 warps (the kernel's
     ``num_warps`` and one worker) each own half of the rows. Each consumer releases a K or
     V slot with its own mbarrier arrival, so the two drift apart and one's softmax runs
     while the other's products hold the tensor cores. Launch with ``num_warps=4`` and
     ``maxnreg=MAXNREG``: 12 warps' registers at launch, which the loader gives back to the
-    consumers (CONSUMER_REGS each)."""
-    HALF: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    pid = gl.program_id(0)
-    if CAUSAL:
-        pid = gl.num_programs(0) - 1 - pid
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    off_m = pid * BLOCK_M
+    consumers (CONSUMER_REGS each).
 
+    PROGRAMS = 0: one program per query block, grid (blocks, BH), descriptors made per
+    program for its head. PROGRAMS > 0: that many persistent programs walk the BH x blocks
+    work items (``_work``), with descriptors made once over the operands seen as
+    [BH x rows, D]: the caller makes sure heads and rows collapse so (their strides
+    compose) and that M and N are multiples of BLOCK_M and BLOCK_N, so that no tile
+    crosses into the next head. q is double-buffered there, and the output has its own
+    staging tiles, so one item's epilogue overlaps the next item's loads."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    QBUF: gl.constexpr = 2 if PROGRAMS else 1
+    MB: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], dtype)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    q_desc = tma.make_tensor_descriptor(q_ptr + OQ + b * SQB + h * SQH, shape=[M, D], strides=[SQM, 1],
-                                        block_shape=[HALF, D], layout=q_smem_layout)
-    k_desc = tma.make_tensor_descriptor(k_ptr + OK + b * SKB + h * SKH, shape=[N, D], strides=[SKN, 1],
-                                        block_shape=[BLOCK_N, D], layout=kv_smem_layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr + OV + b * SVB + h * SVH, shape=[N, D], strides=[SVN, 1],
-                                        block_shape=[BLOCK_N, D], layout=kv_smem_layout)
-    o_desc = tma.make_tensor_descriptor(o_ptr + OO + b * SOB + h * SOH, shape=[M, D], strides=[SOM, 1],
-                                        block_shape=[HALF, D], layout=q_smem_layout)
+    if PROGRAMS:
+        work = (gl.program_id(0), BH * MB, PROGRAMS, 0, 0)
+        q_desc = tma.make_tensor_descriptor(q_ptr + OQ, shape=[BH * M, D], strides=[SQM, 1],
+                                            block_shape=[HALF, D], layout=q_smem_layout)
+        k_desc = tma.make_tensor_descriptor(k_ptr + OK, shape=[BH * N, D], strides=[SKN, 1],
+                                            block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr + OV, shape=[BH * N, D], strides=[SVN, 1],
+                                            block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+        o_desc = tma.make_tensor_descriptor(o_ptr + OO, shape=[BH * M, D], strides=[SOM, 1],
+                                            block_shape=[HALF, D], layout=q_smem_layout)
+    else:
+        pid = gl.program_id(0)
+        if CAUSAL:  # the longest rows first: the last wave is made of short programs
+            pid = gl.num_programs(0) - 1 - pid
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        work = (0, 1, 1, pid, bh)
+        q_desc = tma.make_tensor_descriptor(q_ptr + OQ + b * SQB + h * SQH, shape=[M, D], strides=[SQM, 1],
+                                            block_shape=[HALF, D], layout=q_smem_layout)
+        k_desc = tma.make_tensor_descriptor(k_ptr + OK + b * SKB + h * SKH, shape=[N, D], strides=[SKN, 1],
+                                            block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr + OV + b * SVB + h * SVH, shape=[N, D], strides=[SVN, 1],
+                                            block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+        o_desc = tma.make_tensor_descriptor(o_ptr + OO + b * SOB + h * SOH, shape=[M, D], strides=[SOM, 1],
+                                            block_shape=[HALF, D], layout=q_smem_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * QBUF, HALF, D], q_smem_layout)
+    if PROGRAMS:
+        o_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_smem_layout)
+    else:  # one item: each half of q stages its own output once its last product is done
+        o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_smem_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(QBUF):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    bars = (k_ready, k_empty, v_ready, v_empty)
-
-    hi = N
-    if CAUSAL:
-        hi = gl.maximum(gl.minimum(N, off_m + BLOCK_M + BAND_HI), 0)
-    tiles = gl.cdiv(hi, BLOCK_N)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
 
     gl.warp_specialize([
-        (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles, 0,
-                        N, D, SCALE, CAUSAL, BAND_HI, HALF, BLOCK_N, STAGES)),
-        (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles, 1,
-                        N, D, SCALE, CAUSAL, BAND_HI, HALF, BLOCK_N, STAGES)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, bars, off_m, tiles,
-                      HALF, BLOCK_N, STAGES)),
+        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 0, M, N, D, SCALE, CAUSAL, BAND_HI,
+                     BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
+        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 1, M, N, D, SCALE, CAUSAL, BAND_HI,
+                     BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work, M, N, CAUSAL, BAND_HI,
+                   BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
     ], [4, 1], [CONSUMER_REGS, 24])

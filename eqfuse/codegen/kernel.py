@@ -83,7 +83,9 @@ class Schedule:
     summed: bool = False  # matmul: the products are only added up (one accumulator, their K ranges end to end)
     d: int = 0  # attention: [*batch, M, N] scores, values [*batch, N, D]; k is q's head dim
     band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
-    flash: bool = False  # attention: the plain form the Hopper flash template computes (codegen/flash.py)
+    # attention: the plain form the Hopper flash template computes (codegen/flash.py): 1, or 2
+    # where q, k and v also collapse to [heads x rows, D] (its persistent form)
+    flash: int = 0
     tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
     tile_reads: int = 0  # matmul: loads after the K loop that vary along both M and N (a residual, a mask)
     gathered: int = 0  # matmul: operand loads beyond one per operand (a concatenation's parts, selected per element)
@@ -1184,6 +1186,7 @@ class Generated:
     aligned: list  # those read or written through TMA descriptors: 16-byte aligned addresses only
     constexprs: dict | None = None  # a template's (codegen/flash.py), in place of sizes and config
     launch: dict | None = None  # likewise its launch options
+    grid: tuple | None = None  # and its grid, where the schedule's is not it
 
 
 def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,

@@ -64,8 +64,8 @@ def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
     launch = g.launch if g.launch is not None else {k: v for k, v in g.cfg.items() if k in kgen.LAUNCH_OPTIONS}
     constexprs = g.constexprs if g.constexprs is not None else \
         {**g.sched.sizes, **{k: v for k, v in g.cfg.items() if k not in kgen.LAUNCH_OPTIONS}}
-    info = KernelInfo(spec.name, g.text, list(spec.fx_nodes), constexprs, g.sched.grid(g.cfg), launch, g.sched,
-                      g.params, spec, g.aligned)
+    info = KernelInfo(spec.name, g.text, list(spec.fx_nodes), constexprs, g.grid or g.sched.grid(g.cfg), launch,
+                      g.sched, g.params, spec, g.aligned)
     if g.aligned:  # a TMA kernel: a pointer kernel, same arguments, for unaligned addresses
         plain = kgen.unaligned_config(g.sched, g.cfg)
         info.fallback = kernel_info(replace(spec, name=f"{spec.name}_unaligned"), buffers, plain, runtime,
