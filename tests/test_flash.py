@@ -147,7 +147,8 @@ CASES = [(PER_PROGRAM, 128, seq, layout) for seq in (1, 17, 100, 300) for layout
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the template needs a Hopper GPU (sm_90a)")
 @pytest.mark.parametrize("cfg,d,seq,layout", CASES)
-@pytest.mark.parametrize("name", ["attention", "causal_attention", "causal_attention_where", "sdpa_causal"])
+@pytest.mark.parametrize("name", ["attention", "attention_scale_on_q", "causal_attention", "causal_attention_where",
+                                  "sdpa_causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_template_matches_eager(monkeypatch, name, cfg, d, seq, layout, dtype):
     compiled, info, source, inputs = flash_module(monkeypatch, name, cfg, heads=3, seq=seq, d=d, dtype=dtype,
@@ -158,3 +159,48 @@ def test_template_matches_eager(monkeypatch, name, cfg, d, seq, layout, dtype):
     module = cache.load_module(cache.cache_key(source, DEVICE), source, interpret=False)
     got = module.call(inputs[0].device, [], *inputs)[0]
     assert_matches(got, ATTENTION_EXAMPLES[name].fn(*inputs), contraction=True)
+
+
+COMPILE_FOR_SM90 = """
+import json, math, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from eqfuse.codegen import flash_hopper
+from eqfuse.runtime.compile_worker import ast_source
+
+fn = flash_hopper.flash_attention_hopper
+out = []
+for programs, causal, stages in ((0, True, 3), (132, False, 2)):
+    sig = {p: "*fp16" if p.endswith("_ptr") else "constexpr" for p in fn.arg_names}
+    cx = dict(H=4, M=512, N=512, D=128, OQ=0, OK=0, OV=0, OO=0, SCALE=0.1, CAUSAL=causal, BAND_HI=0,
+              BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=8,
+              PROGRAMS=programs, CHUNK=4)
+    for t, rows in (("Q", "M"), ("K", "N"), ("V", "N"), ("O", "M")):
+        cx.update({f"S{t}B": 4 * 512 * 128, f"S{t}H": 512 * 128, f"S{t}{rows}": 128})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if p.endswith("_ptr")}
+    k = triton.compile(ast_source(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "maxnreg": flash_hopper.MAXNREG})
+    ptx = k.asm["ptx"]
+    out.append({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+                "setmaxnreg": "setmaxnreg" in ptx, "sass": len(k.asm["cubin"])})
+print(json.dumps(out))
+"""
+
+
+def test_the_template_compiles_for_sm90_without_a_gpu():
+    """Triton's compiler and its bundled ptxas need no GPU: both forms build for Hopper,
+    with their products on wgmma, registers handed from the loader to the consumers, and
+    shared memory under the H100's 227 KB (in a child process: one that interprets Triton
+    kernels cannot compile them)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(eqfuse.__file__)),
+                                                    env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for kernel in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert kernel["shared"] <= 232448 and kernel["wgmma"] >= 16 and kernel["setmaxnreg"] and kernel["sass"]

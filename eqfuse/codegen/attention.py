@@ -436,7 +436,7 @@ def candidates(sched) -> list[dict]:
 
 def runnable(cfg: dict) -> bool:
     """Whether a configuration (from a cache, or a user) is one an attention kernel can run
-    with (the flash template's: the same keys and FLASH = 1)."""
+    with (the flash template's: the same keys and FLASH = 1 or 2, codegen/flash.py)."""
     if "FLASH" in cfg:
         return cfg["FLASH"] in (1, 2) and runnable({k: v for k, v in cfg.items() if k != "FLASH"})
     return well_formed(cfg, CONFIG_KEYS, ("BLOCK_M", "BLOCK_N"))

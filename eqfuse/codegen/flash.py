@@ -125,7 +125,7 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     q, kt, v = (_operand(n, contiguous=axis) for n, axis in ((q_node, -1), (k_node, -2), (expdot.args[1], -1)))
     if None in (q, kt, v) or len({q.buf, kt.buf, v.buf, out}) != 4:
         return None
-    d, e = v_width(expdot), x.args[0].shape[-1]
+    d, e = expdot.args[1].shape[-1], x.args[0].shape[-1]
     if d != e or d % 16 or not 16 <= d <= 128 or len(root.shape) > 4:
         return None
     if x.args[0].dtype not in ("float16", "bfloat16") or len({x.args[0].dtype, x.args[1].dtype, root.dtype}) != 1:
@@ -134,10 +134,6 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     m, n = x.shape[-2:]
     collapsible = collapses(q, batch, m) and collapses(kt, batch, n) and collapses(v, batch, n)
     return Form(q, kt, v, out, scale, band[1] if band is not None else None, collapsible)
-
-
-def v_width(expdot: PNode) -> int:
-    return expdot.args[1].shape[-1]
 
 
 def _strip(node: PNode, ops_: tuple) -> PNode:

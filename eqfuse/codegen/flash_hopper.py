@@ -70,11 +70,12 @@ def _softmax_step(s, m_run, l_run, n0, rows, SCALE: gl.constexpr, N: gl.constexp
 
 
 @gluon.jit
-def _work(t, mblk0, bh0, PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr, CHUNK: gl.constexpr,
-          CAUSAL: gl.constexpr):
-    """The query block and (batch x head) of work item ``t``. One program per item: the
-    program's own. Persistent: heads in chunks of CHUNK, whose K and V stay in L2 while
-    their query blocks run, and within a chunk the longest query blocks first when causal."""
+def _item(t, mblk0, bh0, N: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr, CHUNK: gl.constexpr):
+    """Work item ``t``: its (batch x head), first query row, and the key tiles ``[0, tiles)``
+    its rows see. One program per item: the program's own. Persistent: heads in chunks of
+    CHUNK, whose K and V stay in L2 while their query blocks run, and within a chunk the
+    longest query blocks first when causal. The loader and both consumers walk the same."""
     if PROGRAMS:
         chunk = t // (MB * CHUNK)
         width = gl.minimum(CHUNK, BH - chunk * CHUNK)
@@ -86,16 +87,12 @@ def _work(t, mblk0, bh0, PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.conste
     else:
         mblk = mblk0
         bh = bh0
-    return mblk, bh
-
-
-@gluon.jit
-def _key_tiles(off_m, N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               BAND_HI: gl.constexpr):
-    """The key tiles rows ``off_m .. off_m + BLOCK_M`` see: ``[0, tiles)``."""
+    off_m = mblk * BLOCK_M
     if CAUSAL:
-        return gl.cdiv(gl.maximum(gl.minimum(N, off_m + BLOCK_M + BAND_HI), 0), BLOCK_N)
-    return gl.cdiv(N, BLOCK_N)
+        tiles = gl.cdiv(gl.maximum(gl.minimum(N, off_m + BLOCK_M + BAND_HI), 0), BLOCK_N)
+    else:
+        tiles = gl.cdiv(N, BLOCK_N)
+    return bh, off_m, tiles
 
 
 @gluon.jit
@@ -114,9 +111,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
     it = 0  # K and V tiles fetched, over all items
     qi = 0  # items begun
     for t in range(start, stop, step):
-        mblk, bh = _work(t, mblk0, bh0, PROGRAMS, MB, BH, CHUNK, CAUSAL)
-        off_m = mblk * BLOCK_M
-        tiles = _key_tiles(off_m, N, BLOCK_M, BLOCK_N, CAUSAL, BAND_HI)
+        bh, off_m, tiles = _item(t, mblk0, bh0, N, CAUSAL, BAND_HI, BLOCK_M, BLOCK_N, PROGRAMS, MB, BH, CHUNK)
         # Persistent programs read collapsed [heads x rows, D] boxes; the others one head's.
         q_row = off_m + (bh * M if PROGRAMS else 0)
         k_row = bh * N if PROGRAMS else 0
@@ -171,9 +166,7 @@ def _consumer(o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, WHICH: gl.cons
     it = 0  # K and V tiles consumed, over all items
     qi = 0  # items begun
     for t in range(start, stop, step):
-        mblk, bh = _work(t, mblk0, bh0, PROGRAMS, MB, BH, CHUNK, CAUSAL)
-        off_m = mblk * BLOCK_M
-        tiles = _key_tiles(off_m, N, BLOCK_M, BLOCK_N, CAUSAL, BAND_HI)
+        bh, off_m, tiles = _item(t, mblk0, bh0, N, CAUSAL, BAND_HI, BLOCK_M, BLOCK_N, PROGRAMS, MB, BH, CHUNK)
         first = off_m + WHICH * HALF
         edge = N // BLOCK_N * BLOCK_N  # key tiles from here on need a mask
         if CAUSAL:
@@ -256,7 +249,7 @@ def flash_attention_hopper(
 
     PROGRAMS = 0: one program per query block, grid (blocks, BH), descriptors made per
     program for its head. PROGRAMS > 0: that many persistent programs walk the BH x blocks
-    work items (``_work``), with descriptors made once over the operands seen as
+    work items (``_item``), with descriptors made once over the operands seen as
     [BH x rows, D]: the caller makes sure heads and rows collapse so (their strides
     compose) and that M and N are multiples of BLOCK_M and BLOCK_N, so that no tile
     crosses into the next head. q is double-buffered there, and the output has its own

@@ -11,8 +11,8 @@ so that the process that sent it can say which part of the key differs), or ``{"
 
 It imports neither torch nor eqfuse: with them a worker took 2.5 s and 220 MB more to
 start (16 of them slowed the graph's extraction by 3 s on an H100 host), and Triton needs
-only the kernels. The generated module's two lines that import them are replaced by
-stubs of the same names when it is loaded; every other line, the kernels' included, is
+only the kernels. The generated module's lines that import them are replaced by stubs
+of the same names when it is loaded; every other line, the kernels' included, is
 executed as written, at its own line number (Triton hashes a kernel's source and first
 line), and ``inspect`` reads the kernels' source from the file itself.
 """
@@ -27,21 +27,15 @@ import sys
 import time
 import types
 
-# Whole lines of the generated module's header (codegen/module.py) -> their stand-ins
-STUBS = {
-    "import torch": "torch = None",
-    "from eqfuse.runtime.launch import KernelLauncher": "KernelLauncher = _eqfuse_stub",
-    "from eqfuse.runtime.launch import SizedLauncher": "SizedLauncher = _eqfuse_stub",
-}
+# Whole lines of the generated module (codegen/module.py) -> their stand-ins: torch, and
+# each name it imports from eqfuse (the launchers; a template kernel, codegen/flash_hopper.py,
+# whose compile jobs name the template's own file).
+STUBS = {"import torch": "torch = None"}
+_EQFUSE_IMPORT = re.compile(r"from eqfuse\.[\w.]+ import (\w+)(?: as (\w+))?$")
 
 
 def _stub(*args, **kwargs):
     return None
-
-
-# Any other eqfuse import of a generated module (a template kernel, codegen/flash_hopper.py)
-# is stubbed too: a job for the template names the template's own file.
-_EQFUSE_IMPORT = re.compile(r"from eqfuse\.[\w.]+ import (\w+)(?: as (\w+))?$")
 
 
 def _stubbed(line: str) -> str:
