@@ -204,3 +204,64 @@ def test_the_template_compiles_for_sm90_without_a_gpu():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for kernel in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert kernel["shared"] <= 232448 and kernel["wgmma"] >= 16 and kernel["setmaxnreg"] and kernel["sass"]
+
+
+def fused_qkv_attention(qkv):
+    """q, k and v split from one projection's output [batch, seq, 3 * heads * 128]."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.view(b, s, 3, -1, 128).permute(2, 0, 3, 1, 4)
+    return ATTENTION_EXAMPLES["causal_attention"].fn(q, k, v)
+
+
+def test_operands_split_from_one_projection_are_read_where_they_lie(monkeypatch):
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    qkv = torch.randn(2, 33, 3 * 2 * 128, dtype=torch.float16)
+    c = eqfuse.compile(fused_qkv_attention, (qkv,), autotune=False)
+    (k,) = [k for k in c.kernels if k.schedule.kind == "attention"]
+    f = flash.form(k.spec, k.schedule.band, k.schedule.m)
+    assert f is not None and k.schedule.flash == 1  # heads lie between rows: no persistent form
+    assert (f.q.offset, f.k.offset, f.v.offset) == (0, 256, 512)
+    assert (f.q.row_stride, f.q.batch_strides) == (768, (33 * 768, 128))
+
+
+def fused_qkv_module(monkeypatch, dtype=torch.float16):
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 100, 3 * 2 * 128, dtype=dtype)
+    c = eqfuse.compile(fused_qkv_attention, (qkv,), autotune=False)
+    (k,) = c.kernels
+    source, (info,) = generate_module(c.plan, "fused_qkv", "test", {k.name: PER_PROGRAM})
+    return qkv, info, source
+
+
+def test_a_shared_buffer_is_passed_once_to_the_portable_twin(monkeypatch):
+    _, info, source = fused_qkv_module(monkeypatch)
+    assert info.params == ["in0", "in0", "in0", info.params[3]] and info.fallback.params == ["in0", info.params[3]]
+    assert "picks=(0, 3)" in source
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the template needs a Hopper GPU (sm_90a)")
+def test_template_on_a_shared_buffer_aligned_or_not(monkeypatch):
+    qkv, info, source = fused_qkv_module(monkeypatch)
+    module = cache.load_module(cache.cache_key(source, DEVICE), source, interpret=False)
+    shifted = torch.empty(qkv.numel() + 1, dtype=qkv.dtype)[1:].view(qkv.shape)  # 2 bytes off 16
+    shifted.copy_(qkv)
+    for x in (qkv, shifted):
+        assert_matches(module.call(x.device, [], x)[0], fused_qkv_attention(x), contraction=True)
+
+
+def test_index_maps_over_a_load_are_read_as_the_view_torch_makes():
+    """GPT-2's q: a slice of the projection's output, split into heads, transposed."""
+    from eqfuse.schema.plan import PNode
+    load = PNode("load", ("buf", (196608, 768, 1), 0), (), (2, 256, 768), "float16")
+    part = PNode("slice", (2, 256, 1), (load,), (2, 256, 256), "float16")
+    heads = PNode("reshape", (), (part,), (2, 256, 2, 128), "float16")
+    q = PNode("permute", ((0, 2, 1, 3),), (heads,), (2, 2, 256, 128), "float16")
+    ref = torch.empty(2 * 196608, device="meta").as_strided((2, 256, 768), (196608, 768, 1))
+    ref = ref[:, :, 256:512].reshape(2, 256, 2, 128).permute(0, 2, 1, 3)
+    buf, view = flash._strided(q)
+    assert (buf, view.stride(), view.storage_offset()) == ("buf", ref.stride(), ref.storage_offset())
+    wide = PNode("reshape", (), (PNode("permute", ((0, 2, 1),), (load,), (2, 768, 256), "float16"),),
+                 (2, 768 * 256), "float16")
+    assert flash._strided(wide) is None  # a reshape no view of those strides can make

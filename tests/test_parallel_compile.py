@@ -74,8 +74,17 @@ def test_resolve_picks_the_twin_without_tma_for_an_unaligned_address():
     plain = KernelLauncher(object(), (1,), {})
     tma = KernelLauncher(object(), (1,), {}, aligned=0b10, otherwise=plain)  # the first of two tensors
     f16 = torch.float16
-    assert tma.resolve([pc.Pointer(f16), pc.Pointer(f16, aligned=False)]) is tma
-    assert tma.resolve([pc.Pointer(f16, aligned=False), pc.Pointer(f16)]) is plain
+    assert tma.resolve([pc.Pointer(f16), pc.Pointer(f16, aligned=False)])[0] is tma
+    assert tma.resolve([pc.Pointer(f16, aligned=False), pc.Pointer(f16)])[0] is plain
+
+
+def test_resolve_hands_the_twin_the_arguments_it_takes():
+    """A template whose q, k and v share a buffer: its portable twin takes that buffer once."""
+    plain = KernelLauncher(object(), (1,), {})
+    flash = KernelLauncher(object(), (1,), {}, aligned=0b1111, otherwise=plain, picks=(0, 3))
+    qkv, out = pc.Pointer(torch.float16, aligned=False), pc.Pointer(torch.float16)
+    launcher, args = flash.resolve([qkv, qkv, qkv, out])
+    assert launcher is plain and args == (qkv, out)
 
 
 def test_module_launches_take_the_alignment_of_the_inputs():

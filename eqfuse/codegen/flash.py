@@ -123,7 +123,7 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     (q_node, q_factor), (k_node, k_factor) = (_factored(n) for n in x.args)
     scale *= q_factor * k_factor
     q, kt, v = (_operand(n, contiguous=axis) for n, axis in ((q_node, -1), (k_node, -2), (expdot.args[1], -1)))
-    if None in (q, kt, v) or len({q.buf, kt.buf, v.buf, out}) != 4:
+    if None in (q, kt, v) or out in (q.buf, kt.buf, v.buf):
         return None
     d, e = expdot.args[1].shape[-1], x.args[0].shape[-1]
     if d != e or d % 16 or not 16 <= d <= 128 or len(root.shape) > 4:
@@ -163,12 +163,14 @@ def _factored(node: PNode) -> tuple[PNode, float]:
 
 
 def _operand(node: PNode, contiguous: int) -> Operand | None:
-    """An operand read straight from a buffer, with a unit stride along ``contiguous``
-    (-1: rows of D; -2: k^T, whose D runs down its columns)."""
-    if node.op != "load" or len(node.shape) > 4:
+    """An operand read as stored (through index maps only: a projection's output split
+    into heads, transposed, sliced), with a unit stride along ``contiguous`` (-1: rows of
+    D; -2: k^T, whose D runs down its columns)."""
+    view = _strided(node) if len(node.shape) <= 4 else None
+    if view is None:
         return None
-    buf, strides, offset = node.attrs
-    strides = tuple(strides)
+    buf, t = view
+    strides, offset = t.stride(), t.storage_offset()
     if strides[contiguous] != 1:
         return None
     row = strides[-2] if contiguous == -1 else strides[-1]
@@ -177,6 +179,39 @@ def _operand(node: PNode, contiguous: int) -> Operand | None:
     if any((s * item) % ALIGN for s in (row, offset, *batch)):
         return None
     return Operand(buf, offset, batch, row)
+
+
+def _strided(node: PNode):
+    """``(buffer, meta tensor)``: the strides and offset at which ``node`` reads its buffer,
+    where it is a load under index maps torch can express as a view; None otherwise. A
+    meta tensor keeps strides and offsets through slices, permutes, views and expands,
+    without memory."""
+    import torch
+    if node.op == "load":
+        buf, strides, offset = node.attrs
+        extent = offset + sum((n - 1) * s for n, s in zip(node.shape, strides)) + 1
+        return buf, torch.empty(extent, device="meta").as_strided(node.shape, strides, offset)
+    if node.op not in ("slice", "permute", "reshape", "broadcast"):
+        return None
+    inner = _strided(node.args[0])
+    if inner is None:
+        return None
+    buf, t = inner
+    try:
+        if node.op == "slice":
+            dim, start, step = node.attrs
+            strides = list(t.stride())
+            strides[dim] *= step
+            t = t.as_strided(node.shape, strides, t.storage_offset() + start * t.stride(dim))
+        elif node.op == "permute":
+            t = t.permute(*node.attrs[0])
+        elif node.op == "reshape":
+            t = t.view(node.shape)
+        else:
+            t = t.expand(node.shape)
+    except RuntimeError:  # a reshape that is no view of these strides
+        return None
+    return buf, t if tuple(t.shape) == tuple(node.shape) else None
 
 
 def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:

@@ -70,7 +70,7 @@ def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
         plain = kgen.unaligned_config(g.sched, g.cfg)
         info.fallback = kernel_info(replace(spec, name=f"{spec.name}_unaligned"), buffers, plain, runtime,
                                     order=g.params)
-        if info.fallback.params != info.params:  # not seen: both forms read the same buffers
+        if not set(info.fallback.params) <= set(info.params):  # not seen: both read the same buffers
             return kernel_info(spec, buffers, plain, runtime)
     return info
 
@@ -86,6 +86,8 @@ def launch_options(info: KernelInfo) -> str:
         # One bit per tensor, the first the highest, as KernelLauncher counts them
         mask = sum(1 << (len(info.params) - 1 - i) for i, p in enumerate(info.params) if p in info.aligned)
         kw += f", aligned={mask:#x}, otherwise={info.fallback.name}_launch"
+        if info.fallback.params != info.params:  # the template's q, k and v from one buffer
+            kw += f", picks={tuple(info.params.index(p) for p in info.fallback.params)!r}"
     return kw
 
 

@@ -103,12 +103,16 @@ class _Compiled:
 class KernelLauncher:
     """``launcher(*tensors)`` runs ``fn[grid](*tensors, **constexprs, **options)``, or
     ``otherwise(*tensors)`` where a tensor whose bit is set in ``aligned`` (the first
-    tensor the highest bit) does not start on a 16-byte boundary."""
+    tensor the highest bit) does not start on a 16-byte boundary; ``picks``: the positions
+    of the tensors ``otherwise`` takes, where it takes others (a template's operands may
+    share a buffer the other kernel takes once)."""
 
-    def __init__(self, fn, grid: tuple, constexprs: dict, *, aligned: int = 0, otherwise=None, **options):
+    def __init__(self, fn, grid: tuple, constexprs: dict, *, aligned: int = 0, otherwise=None,
+                 picks: tuple | None = None, **options):
         self.fn = fn
         self.need = aligned
         self.otherwise = otherwise
+        self.picks = picks
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.constexprs = constexprs
         self.options = options
@@ -118,7 +122,7 @@ class KernelLauncher:
     def __call__(self, *tensors):
         if self.interpreted:
             if self.need and self._alignment(tensors) & self.need != self.need:
-                return self.otherwise(*tensors)
+                return self.otherwise(*self._otherwise_args(tensors))
             self.fn[self.grid](*tensors, **self.constexprs, **self.options)
             return
         # Keyed like Triton's own cache: by the current device (kernels are loaded per device,
@@ -131,7 +135,7 @@ class KernelLauncher:
             ptrs.append(p)
             aligned = aligned << 1 | (p & 15 == 0)
         if aligned & self.need != self.need:
-            return self.otherwise(*tensors)
+            return self.otherwise(*self._otherwise_args(tensors))
         device = _current_device()
         key = (device, aligned)
         compiled = self._compiled.get(key)
@@ -143,12 +147,16 @@ class KernelLauncher:
             return
         compiled(torch._C._cuda_getCurrentRawStream(device), ptrs, tensors)
 
-    def resolve(self, tensors) -> KernelLauncher:
-        """The launcher that runs for ``tensors``: this one, or, where an address TMA needs
-        aligned is not, the twin without TMA (what parallel_compile compiles ahead)."""
+    def resolve(self, tensors) -> tuple[KernelLauncher, tuple]:
+        """The launcher that runs for ``tensors``, and its arguments: this one, or, where an
+        address TMA needs aligned is not, the twin without TMA (what parallel_compile
+        compiles ahead)."""
         if self.need and self._alignment(tensors) & self.need != self.need:
-            return self.otherwise.resolve(tensors)
-        return self
+            return self.otherwise.resolve(self._otherwise_args(tensors))
+        return self, tuple(tensors)
+
+    def _otherwise_args(self, tensors) -> tuple:
+        return tuple(tensors) if self.picks is None else tuple(tensors[i] for i in self.picks)
 
     @staticmethod
     def _alignment(tensors) -> int:

@@ -152,7 +152,7 @@ def specialisation(launcher, args, target: tuple, backend=None) -> Job:
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.runtime.jit import create_function_from_signature
 
-    launcher = launcher.resolve(args)
+    launcher, args = launcher.resolve(args)
     fn = launcher.fn
     backend = backend or _backend(target)
     # JITFunction.run: the call's keywords, with the two it adds itself
@@ -393,7 +393,7 @@ def precompile(launches, target: tuple | None = None) -> Outcome:
         for launcher, args in launches:
             job = specialisation(launcher, args, target, backend)
             jobs.setdefault(job.hash, job)
-            fns.setdefault(job.hash, launcher.resolve(args).fn)
+            fns.setdefault(job.hash, launcher.resolve(args)[0].fn)
     except Exception as e:  # noqa: BLE001 - a Triton that binds arguments otherwise: compile serially
         out.note = f"kernels compile at first launch: could not read their specialisation ({_one_line(e)})"
         out.seconds = time.perf_counter() - start
