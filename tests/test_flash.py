@@ -115,6 +115,7 @@ def test_the_module_launches_the_template_with_the_portable_kernel_for_unaligned
     assert (c["H"], c["M"], c["N"], c["D"], c["CAUSAL"], c["BAND_HI"], c["STAGES"]) == (3, 100, 100, 128, True, 0, 3)
     assert c["SCALE"] == pytest.approx(LOG2E / math.sqrt(128))
     assert info.launch == {"num_warps": 4, "maxnreg": 168}
+    assert info.template == "the Hopper flash template, a program per query block" and info.config == PER_PROGRAM
     assert info.grid == (1, 6)
     # the portable kernel takes the same arguments in the same order
     assert info.fallback is not None and info.fallback.params == info.params

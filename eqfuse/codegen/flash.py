@@ -282,5 +282,7 @@ def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozens
     text = (f"# {spec.name}: the Hopper flash-attention template (eqfuse/codegen/flash_hopper.py); FX nodes: {doc}\n"
             f"from eqfuse.codegen.flash_hopper import flash_attention_hopper as {spec.name}\n")
     grid = (values["PROGRAMS"],) if values["PROGRAMS"] else None
+    form_ = "persistent" if values["PROGRAMS"] else "a program per query block"
     return Generated(text, sched, cfg, params, params, constexprs=values,
-                     launch={"num_warps": 4, "maxnreg": flash_hopper.MAXNREG}, grid=grid)
+                     launch={"num_warps": 4, "maxnreg": flash_hopper.MAXNREG}, grid=grid,
+                     template=f"the Hopper flash template, {form_}")

@@ -1187,6 +1187,7 @@ class Generated:
     constexprs: dict | None = None  # a template's (codegen/flash.py), in place of sizes and config
     launch: dict | None = None  # likewise its launch options
     grid: tuple | None = None  # and its grid, where the schedule's is not it
+    template: str = ""  # what the template is, for people reading the plan
 
 
 def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,

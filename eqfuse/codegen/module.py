@@ -47,6 +47,8 @@ class KernelInfo:
     spec: KernelSpec | None = None
     aligned: list = field(default_factory=list)  # params the kernel reads or writes through TMA
     fallback: KernelInfo | None = None  # the same tiles without TMA, for addresses TMA cannot take
+    template: str = ""  # the template the kernel launches in place of generated source (codegen/flash.py)
+    cfg: dict | None = None  # the configuration it was generated with
 
     def __repr__(self):
         return f"KernelInfo({self.name}, fx_nodes={self.fx_nodes}, grid={self.grid}, {self.constexprs})"
@@ -55,6 +57,8 @@ class KernelInfo:
     def config(self) -> dict:
         """The configuration the kernel was generated with (kernel_info's ``cfg``): its
         constexprs beyond the sizes, and its launch options."""
+        if self.cfg is not None:
+            return dict(self.cfg)
         return {**{k: v for k, v in self.constexprs.items() if k not in self.schedule.sizes}, **self.launch}
 
 
@@ -65,7 +69,7 @@ def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
     constexprs = g.constexprs if g.constexprs is not None else \
         {**g.sched.sizes, **{k: v for k, v in g.cfg.items() if k not in kgen.LAUNCH_OPTIONS}}
     info = KernelInfo(spec.name, g.text, list(spec.fx_nodes), constexprs, g.grid or g.sched.grid(g.cfg), launch,
-                      g.sched, g.params, spec, g.aligned)
+                      g.sched, g.params, spec, g.aligned, template=g.template, cfg=dict(g.cfg))
     if g.aligned:  # a TMA kernel: a pointer kernel, same arguments, for unaligned addresses
         plain = kgen.unaligned_config(g.sched, g.cfg)
         info.fallback = kernel_info(replace(spec, name=f"{spec.name}_unaligned"), buffers, plain, runtime,

@@ -290,7 +290,8 @@ class _Variant:
             lines.append(f"  modelled time: {e['plan_cost_us']} us fused vs {e['unfused_cost_us']} us "
                          "one kernel per op")
         for k in self.kernels:
-            lines.append(f"  kernel {k.name}: {k.schedule.describe()}; grid {k.grid}, {k.constexprs}")
+            runs = f"; runs as {k.template}" if k.template else ""
+            lines.append(f"  kernel {k.name}: {k.schedule.describe()}{runs}; grid {k.grid}, {k.constexprs}")
             lines.append(f"      computes FX nodes: {', '.join(k.fx_nodes) or '-'}")
         for f in self.fallbacks:
             lines.append(f"  eager: {f}")
