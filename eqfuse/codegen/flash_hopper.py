@@ -12,10 +12,11 @@ FlashAttention-3 does. Within a warpgroup, the step for key tile ``j`` issues
 ``S_j = q @ k_j^T``, then ``O += P_{j-1} @ v_{j-1}``, waits for ``S_j`` only and runs tile
 ``j``'s softmax while the second product is still on the tensor cores. Across warpgroups,
 two consumers of 64 rows each run unsynchronised, fed by a loader warp through rings of
-``STAGES`` K and V slots. Measured on an H200 (benchmarks/flash_hopper_probe.py,
-S=2048, D=128, fp16): 531 us against 623 for the portable kernel and 449 for SDPA; at
-D=64 the portable kernel stays ahead (329 against 430 us), and the form is not offered
-there. This module imports only Triton: the compile pool's workers load it from its file.
+``STAGES`` K and V slots. Persistent programs (PROGRAMS > 0) walk many query blocks each,
+so that one block's epilogue and the next one's first loads overlap. Measured on an H200
+(benchmarks/attention.py, B=4, H=32): 0.98-1.04x SDPA's time at head dim 128, where the
+portable kernel took 1.29-1.31x at S=2048 (codegen/flash.py has the probe's figures).
+This module imports only Triton: the compile pool's workers load it from its file.
 
 What it computes, per batch entry ``b``, head ``h`` and query row ``i``:
 
