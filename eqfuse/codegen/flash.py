@@ -7,8 +7,9 @@ computes: one softmax product and its sum over scores ``dot(q, k^T) * c`` (casts
 change nothing aside), masked at most by a causal band (``codegen/attention.py`` finds
 it), with one output ``expdot / expsum`` in the operands' dtype; q, k and v read as
 stored (through index maps only, one buffer or several) with a unit stride along the head
-dim, at most two batch dims (batch, heads), strides and offsets TMA can take. Anything else (a bias, a padding mask, a log-sum-exp
-output, a prologue on an operand) keeps the portable kernel.
+dim, at most two batch dims (batch, heads), strides and offsets TMA can take. Anything
+else (a bias, a padding mask, a log-sum-exp output, a prologue on an operand) keeps the
+portable kernel.
 
 The template is one autotuning candidate among the portable kernel's, offered on Hopper
 (compute capability 9.0, compiled) at the head dims where it was measured to win.
