@@ -30,6 +30,7 @@ import triton
 from common import bench_interleaved, save_results
 
 import eqfuse
+from eqfuse.codegen.flash import persistent_programs
 from eqfuse.codegen.flash_hopper import CONSUMER_REGS, MAXNREG, flash_attention_hopper
 from eqfuse.examples import attention, causal_attention
 
@@ -53,9 +54,7 @@ def flash(q, k, v, causal: bool, cfg, out=None):
     programs = chunk = 0
     if persistent:  # heads and rows collapse: contiguous [B, H, S, D], S a multiple of the tiles
         assert all(x.is_contiguous() for x in (q, k, v, o)) and m % bm == 0 and n % bn == 0
-        props = torch.cuda.get_device_properties(q.device)
-        programs = min(props.multi_processor_count, triton.cdiv(m, bm) * b * h)
-        chunk = max(1, props.L2_cache_size // 2 // (2 * n * d * q.element_size()))
+        programs, chunk = persistent_programs(b * h, m, n, d, q.element_size(), bm)
         grid = (programs,)
     flash_attention_hopper[grid](
         q, k, v, o, H=h, M=m, N=n, D=d, OQ=0, OK=0, OV=0, OO=0,

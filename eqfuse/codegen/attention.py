@@ -140,9 +140,8 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     e = dots[0].args[0].shape[-1] if dots else 0
     band = masked_band(s)
     from . import flash
-    plain = flash.form(spec, band, m) if flash.device_supports() else None
-    return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype,
-                    dots=len(values), band=band, flash=0 if plain is None else 1 + plain.collapsible)
+    return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype, dots=len(values),
+                    band=band, flash=flash.form(spec, band, m) if flash.device_supports() else None)
 
 
 def attention_env(sched, axes: str, shape) -> Env:

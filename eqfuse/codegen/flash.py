@@ -74,12 +74,14 @@ def device_supports() -> bool:
 
 def candidates(sched) -> list[dict]:
     """The template's configurations for an attention schedule that has the plain form
-    (``sched.flash``: 1, or 2 where the operands collapse)."""
-    if not sched.flash or not device_supports():
+    (``sched.flash``; the persistent ones where its operands collapse, with no ragged tile)."""
+    f = sched.flash
+    if f is None or not device_supports():
         return []
     out = []
     for form_, dims, bm, bn, stages in TILES:
-        if sched.d in dims and sched.flash >= form_ and (form_ == 1 or (sched.m % bm == 0 and sched.n % bn == 0)):
+        persistent_fits = f.collapsible and sched.m % bm == 0 and sched.n % bn == 0
+        if sched.d in dims and (form_ == 1 or persistent_fits):
             out.append({"FLASH": form_, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": stages})
     return out
 
@@ -104,14 +106,10 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     expdot = next(f for f in flows if f.op == "expdot")
     expsum = next(f for f in flows if f.op == "expsum")
     scores = expdot.args[0]
-    if band is None:
-        tree = scores
-    elif band[0] > -(m - 1):  # a window with a lower edge
+    # masked: the scores where every row sees its keys whole (None for a window's lower edge)
+    tree = scores if band is None else unmasked_scores(scores, band)
+    if tree is None:
         return None
-    else:
-        tree = unmasked_scores(scores, band)
-        if tree is None:
-            return None
     x, scale = _scaled(log2_scaled(tree))
     while x.op == "cast" and _cast_is_free(x):
         x = x.args[0]
@@ -242,18 +240,20 @@ def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"],
                   CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=math.prod(batch), PROGRAMS=0, CHUNK=0)
     if persistent:
-        values["PROGRAMS"], values["CHUNK"] = persistent_programs(sched, item)
+        values["PROGRAMS"], values["CHUNK"] = persistent_programs(math.prod(batch), sched.m, sched.n, sched.d,
+                                                                  item, cfg["BLOCK_M"])
     return values
 
 
-def persistent_programs(sched, itemsize: int) -> tuple[int, int]:
-    """(programs, heads per L2 chunk) of the persistent form on this GPU: a program per SM
-    (one fits, by shared memory), and as many heads at once as keep their K and V in
-    L2_SHARE of the L2 cache."""
+def persistent_programs(heads: int, m: int, n: int, d: int, itemsize: int, block_m: int) -> tuple[int, int]:
+    """(programs, heads per L2 chunk) of the persistent form on this GPU for ``heads``
+    (batch x heads) of [m, d] queries over [n, d] keys: a program per SM (one fits, by
+    shared memory) or per query block where there are fewer, and as many heads at once as
+    keep their K and V in L2_SHARE of the L2 cache."""
     import torch
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    items = math.prod(sched.batch) * -(-sched.m // 128)
-    per_head = 2 * sched.n * sched.d * itemsize
+    items = heads * -(-m // block_m)
+    per_head = 2 * n * d * itemsize
     return min(props.multi_processor_count, items), max(1, int(props.L2_cache_size * L2_SHARE) // per_head)
 
 
@@ -272,10 +272,8 @@ def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozens
     from . import flash_hopper
     from .kernel import Generated
 
-    if runtime or not sched.flash:
-        return None
-    f = form(spec, sched.band, sched.m)
-    values = constexprs(f, sched, buffers, cfg) if f is not None else None
+    f = sched.flash
+    values = constexprs(f, sched, buffers, cfg) if f is not None and not runtime else None
     if values is None:
         return None
     params = [f.q.buf, f.k.buf, f.v.buf, f.out]

@@ -83,9 +83,7 @@ class Schedule:
     summed: bool = False  # matmul: the products are only added up (one accumulator, their K ranges end to end)
     d: int = 0  # attention: [*batch, M, N] scores, values [*batch, N, D]; k is q's head dim
     band: tuple | None = None  # attention: the diagonals a mask leaves (attention.masked_band)
-    # attention: the plain form the Hopper flash template computes (codegen/flash.py): 1, or 2
-    # where q, k and v also collapse to [heads x rows, D] (its persistent form)
-    flash: int = 0
+    flash: object = None  # attention on Hopper: flash.Form, where the flash template computes the kernel
     tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
     tile_reads: int = 0  # matmul: loads after the K loop that vary along both M and N (a residual, a mask)
     gathered: int = 0  # matmul: operand loads beyond one per operand (a concatenation's parts, selected per element)
