@@ -27,9 +27,9 @@ What it computes, per batch entry ``b``, head ``h`` and query row ``i``:
 a row with no visible key gives NaN (0 / 0, as eager's softmax does). Operands are
 fp16 or bf16 ``[B, H, M or N, D]`` at offsets OQ, OK, OV, OO (elements) from their
 pointers, with any batch and head strides and a unit stride along D; offsets, strides and
-base addresses must be multiples of 16 bytes (TMA). The
-kernel makes its TMA descriptors on the device (Triton's global scratch), one set per
-program at the program's head. The sizes and strides are constexprs: the kernel is
+base addresses must be multiples of 16 bytes (TMA). The kernel makes its TMA descriptors
+on the device (Triton's global scratch): per program for its head, or once per persistent
+program over collapsed operands. The sizes and strides are constexprs: the kernel is
 compiled for one shape, as eqfuse's generated kernels are.
 """
 
@@ -97,6 +97,17 @@ def _item(t, mblk0, bh0, N: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.cons
 
 
 @gluon.jit
+def _fetch(desc, row, g, ready, empty, smem, STAGES: gl.constexpr):
+    """The g-th tile of a ring (K's or V's), at ``row`` of ``desc``, once both consumers
+    have released its slot. A fresh mbarrier counts as having completed the phase before
+    its first: the first pass through a ring does not wait."""
+    slot = g % STAGES
+    mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, 0], ready.index(slot), smem.index(slot))
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
             M: gl.constexpr, N: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
@@ -108,7 +119,6 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     start, stop, step, mblk0, bh0 = work
     HALF: gl.constexpr = BLOCK_M // 2
-    tile_bytes: gl.constexpr = k_desc.block_type.nbytes
     it = 0  # K and V tiles fetched, over all items
     qi = 0  # items begun
     for t in range(start, stop, step):
@@ -118,15 +128,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
         k_row = bh * N if PROGRAMS else 0
         qb = qi % QBUF
         for i in range(tiles + 1):
-            # A fresh mbarrier counts as having completed the phase before its first: the
-            # first pass through a ring does not wait.
             if i < tiles:
-                g = it + i
-                slot = g % STAGES
-                mbarrier.wait(k_empty.index(slot), ((g // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(slot), tile_bytes)
-                tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, 0], k_ready.index(slot),
-                                                k_smem.index(slot))
+                _fetch(k_desc, k_row + i * BLOCK_N, it + i, k_ready, k_empty, k_smem, STAGES)
             if i == 0:
                 mbarrier.wait(q_empty.index(qb), ((qi // QBUF) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
@@ -134,12 +137,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
                 tma.async_copy_global_to_shared(q_desc, [q_row + HALF, 0], q_ready.index(qb),
                                                 q_smem.index(2 * qb + 1))
             if i > 0:
-                g = it + i - 1
-                slot = g % STAGES
-                mbarrier.wait(v_empty.index(slot), ((g // STAGES) & 1) ^ 1)
-                mbarrier.expect(v_ready.index(slot), tile_bytes)
-                tma.async_copy_global_to_shared(v_desc, [k_row + (i - 1) * BLOCK_N, 0], v_ready.index(slot),
-                                                v_smem.index(slot))
+                _fetch(v_desc, k_row + (i - 1) * BLOCK_N, it + i - 1, v_ready, v_empty, v_smem, STAGES)
         it += tiles
         qi += 1
 
