@@ -1,0 +1,330 @@
+"""Probe (one GPU run): a warp-specialised ping-pong matmul in Gluon, with a plugged-in
+epilogue, against cuBLAS, torch.compile and eqfuse's generated kernel.
+
+    python benchmarks/matmul_pingpong_probe.py [--out probe.json]
+
+Why: eqfuse's generated matmul kernels are plain Triton; after each tile's K loop the
+whole program runs the epilogue while the tensor cores idle, which leaves gelu(x@W+b) at
+8192 x 4096 x 4096 fp16 about 1.1x cuBLAS's time for the product alone (issue 3 asks
+for 1.05). Triton 3.6's ``warp_specialize`` loops do not lower on Hopper (tried: the
+persistent TMA kernel compiles without partitions; a plain K loop fails in the pass
+manager). This kernel runs CUTLASS's ping-pong schedule: a loader warp streams A and B
+tiles through a TMA ring; two consumer warpgroups take alternate output tiles, handing
+the tensor cores to each other through a pair of mbarriers (the order barrier), so that
+one's K loop runs while the other runs its epilogue. The turns are also what keeps a
+consumer from waiting on a ring slot two fills ahead, where an mbarrier's phase parity
+cannot tell the fill it wants from the one before: without them, wrong values and launch
+failures once a program had two tiles and the K loop outran the ring.
+
+Measured (NVIDIA H200, results/matmul-pingpong-probe*_NVIDIA-H200_2026-11-26.json,
+microseconds, interleaved rounds): gelu(x@W+b) cuBLAS product alone 401.6, torch.compile
+445.9, eqfuse's generated kernel 445.6 (1.11x); this kernel, 128 x 128 tiles a consumer,
+4 stages: 463.0 with the erf epilogue computed in two halves, 491.3 in one piece (ptxas
+spills 376 bytes under the 168 registers a thread that 12 warps allow at launch), 429.0
+with no epilogue at all (its K loop alone is 1.07x cuBLAS), 438.8 with gelu's tanh form
+on tanh.approx. Handing the turn over after the last product completes instead of once
+issued: 476.8. 64 x 256 tiles a consumer: 488.4. Plain products: 1.03-1.06x cuBLAS at
+4096^3 (eqfuse's kernel 0.99). So the overlap works for a cheap epilogue, but the erf
+costs 34 us even when overlapped (it is 44 us in the generated kernel, not overlapped),
+and the 128 x 128 K loop is slower than the generated kernel's 128 x 256: no net win, and
+the template is not offered by code generation.
+
+The epilogue is a ``@gluon.jit`` function passed as a constexpr: ``EPILOGUE(acc, mindex,
+nindex, *epi_args)`` returns the output tile; ``mindex`` and ``nindex`` are the rows and
+columns in the accumulator's layout, so that loads made from them come back in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+from common import bench_interleaved, inductor_compiled, save_results
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+import eqfuse
+from eqfuse.codegen.tma import sm_count
+
+# Registers a thread: at launch, 12 warps (the loader's warp counts as a warpgroup) x 32 x
+# 168 fit the SM's 64K; then the loader gives back most of its own to the consumers.
+MAXNREG = 168
+CONSUMER_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+
+
+@gluon.jit
+def _tile(tile, TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Output tile number -> (tile row, tile column), in groups of GROUP_M tile rows:
+    tiles that run at once read the same operand tiles, which then come from L2."""
+    group = tile // (GROUP_M * TILES_N)
+    rows = gl.minimum(TILES_M - group * GROUP_M, GROUP_M)
+    pid_m = group * GROUP_M + (tile % (GROUP_M * TILES_N)) % rows
+    pid_n = (tile % (GROUP_M * TILES_N)) // rows
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty,
+            K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+            PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """One warp: the A and B tiles of each of the program's output tiles, K step by K step,
+    into the ring as soon as a consumer has released the slot. A fresh mbarrier counts as
+    having completed the phase before its first: the first pass does not wait."""
+    KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    g = 0  # ring fills, over all tiles
+    for tile in range(gl.program_id(0), TILES_M * TILES_N, PROGRAMS):
+        pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
+        for kk in range(KT):
+            slot = g % STAGES
+            mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(slot),
+                                            a_smem.index(slot))
+            if B_KMAJOR:
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(slot),
+                                                b_smem.index(slot))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [kk * BLOCK_K, pid_n * BLOCK_N], ready.index(slot),
+                                                b_smem.index(slot))
+            g += 1
+
+
+@gluon.jit
+def _epilogue(acc, m0, n0, staging, EPILOGUE: gl.constexpr, epi_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The epilogue of the ``[BLOCK_M, BLOCK_N]`` part of a tile at (m0, n0), into its
+    place in the staging tile."""
+    layout: gl.constexpr = acc.type.layout
+    mindex = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))[:, None]
+    nindex = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
+    out = EPILOGUE(acc, mindex, nindex, *epi_args)
+    staging.store(out.to(staging.dtype))
+
+
+@gluon.jit
+def _consumer(c_desc, a_smem, b_smem, c_smem, ready, empty, turn, WHICH: gl.constexpr, EPILOGUE: gl.constexpr,
+              epi_args, K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr, SPLIT: gl.constexpr):
+    """One warpgroup: the program's tiles WHICH, WHICH + 2, ...: the K loop on the tensor
+    cores (one product in flight while the next slot's data is awaited), then the
+    epilogue, and the output tile staged in shared memory and stored by TMA."""
+    KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=layout)
+    staging = c_smem.index(WHICH)
+    j = WHICH  # the program's j-th tile
+    for tile in range(gl.program_id(0) + WHICH * PROGRAMS, TILES_M * TILES_N, 2 * PROGRAMS):
+        pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
+        g = j * KT
+        acc = zero
+        # This consumer's turn: the other has issued its last tile's products. The first
+        # tile of consumer 0 waits for the phase before a fresh barrier's first: no wait.
+        mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
+        for kk in range(KT):
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            if B_KMAJOR:
+                b = b_smem.index(slot).permute((1, 0))
+            else:
+                b = b_smem.index(slot)
+            acc = warpgroup_mma(a_smem.index(slot), b, acc, use_acc=kk > 0, is_async=True)
+            # Wait for the previous product only: its slot goes back to the loader.
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            if kk > 0:
+                mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+            g += 1
+        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+
+        tma.store_wait(0)  # this warpgroup's last tile has left the staging tile
+        if SPLIT == 2:
+            halves = gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
+            left, right = gl.split(halves)
+            _epilogue(left, pid_m * BLOCK_M, pid_n * BLOCK_N, staging.slice(0, BLOCK_N // 2, dim=1), EPILOGUE,
+                      epi_args, BLOCK_M, BLOCK_N // 2)
+            _epilogue(right, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2,
+                      staging.slice(BLOCK_N // 2, BLOCK_N // 2, dim=1), EPILOGUE, epi_args, BLOCK_M, BLOCK_N // 2)
+        else:
+            _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, staging, EPILOGUE, epi_args, BLOCK_M, BLOCK_N)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], staging)
+        j += 2
+    tma.store_wait(0)
+
+
+@gluon.jit
+def matmul_pingpong(a_desc, b_desc, c_desc, EPILOGUE: gl.constexpr, epi_args,
+                    M: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr, PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr, SPLIT: gl.constexpr = 1):
+    """The kernel's body, called by a generated ``@gluon.jit`` kernel once it has made the
+    descriptors: A ``[BLOCK_M, BLOCK_K]`` boxes, B ``[BLOCK_K, BLOCK_N]`` ones (or
+    ``[BLOCK_N, BLOCK_K]`` where B_KMAJOR), C ``[BLOCK_M, BLOCK_N]``. Launch PROGRAMS
+    programs with ``num_warps=4`` and ``maxnreg=MAXNREG``."""
+    TILES_M: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
+    TILES_N: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (c_desc, a_smem, b_smem, c_smem, ready, empty, turn, 0, EPILOGUE, epi_args, K, BLOCK_M, BLOCK_N,
+                     BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, SPLIT)),
+        (_consumer, (c_desc, a_smem, b_smem, c_smem, ready, empty, turn, 1, EPILOGUE, epi_args, K, BLOCK_M, BLOCK_N,
+                     BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, SPLIT)),
+        (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                   TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# (BLOCK_M, BLOCK_N, STAGES): a consumer's tile (128 accumulator registers a thread) and ring depth
+CONFIGS = [(128, 128, 4), (128, 128, 5), (64, 256, 4)]
+
+
+@gluon.jit
+def _gelu(acc, mindex, nindex, bias):
+    x = acc + gl.load(bias + nindex).to(gl.float32)
+    return x * 0.5 * (1.0 + gl.erf(x * 0.7071067811865476))
+
+
+@gluon.jit
+def _identity(acc, mindex, nindex):
+    return acc
+
+
+@gluon.jit
+def _bias(acc, mindex, nindex, bias):
+    return acc + gl.load(bias + nindex).to(gl.float32)
+
+
+@gluon.jit
+def _gelu_tanh(acc, mindex, nindex, bias):
+    """gelu's tanh form with tanh.approx: a much cheaper epilogue, to see what the erf costs."""
+    x = acc + gl.load(bias + nindex).to(gl.float32)
+    u = x * 0.7978845608028654 * (1.0 + 0.044715 * x * x)
+    t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=gl.float32, is_pure=True, pack=1)
+    return x * 0.5 * (1.0 + t)
+
+
+@gluon.jit
+def _kernel(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args, M: gl.constexpr, N: gl.constexpr,
+            K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, BODY: gl.constexpr,
+            SPLIT: gl.constexpr):
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K],
+                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    b_desc = tma.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N],
+                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N],
+                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+    BODY(a_desc, b_desc, c_desc, EPILOGUE, epi_args, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+         PROGRAMS, False, SPLIT)
+
+
+def template(a, b, epilogue, epi_args, bm, bn, stages, programs=None, body=matmul_pingpong, split=2):
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = min(programs or sm_count(), tiles)
+
+    def run():
+        _kernel[(programs,)](a, b, c, epilogue, epi_args, m, n, k, bm, bn, 64, 8, stages, programs, body, split,
+                             num_warps=4, maxnreg=MAXNREG)
+        return c
+    return run
+
+
+def gelu_linear(x, w, b):
+    return F.gelu(x @ w + b)
+
+
+def mm(a, b):
+    return a @ b
+
+
+def workloads():
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.float16, device="cuda") / shape[-1] ** 0.25
+
+    x, w, bias = rand(8192, 4096), rand(4096, 4096), rand(4096)
+    extra = {"identity epilogue": (_identity, (), matmul_pingpong, 2, False),
+             "gelu tanh.approx epilogue": (_gelu_tanh, (bias,), matmul_pingpong, 2, False),
+             "gelu, epilogue not split (spills)": (_gelu, (bias,), matmul_pingpong, 1, True)}
+    yield ("gelu(x@W+b) 8192x4096x4096 fp16", gelu_linear, (x, w, bias), _gelu, (bias,), 2 * 8192 * 4096 * 4096,
+           extra)
+    for s in (4096, 8192):
+        a, b = rand(s, s), rand(s, s)
+        yield f"matmul {s}^3 fp16", mm, (a, b), _identity, (), 2 * s ** 3, {}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    print(torch.cuda.get_device_name(), flush=True)
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.uint8, device="cuda"))
+    log: list = []
+    bad = 0
+    for name, fn, inputs, epilogue, epi_args, flops, extra in workloads():
+        row = {"workload": name}
+        try:
+            want = fn(*inputs)
+            fns = {"cublas_matmul_alone": lambda a=inputs[0], b=inputs[1]: a @ b, "eager": lambda: fn(*inputs)}
+            tc, row["torch_compile_s"] = inductor_compiled(fn, inputs)
+            fns["torch.compile"] = lambda: tc(*inputs)
+            compiled = eqfuse.compile(fn, inputs)
+            fns["eqfuse"] = lambda: compiled(*inputs)
+            row["eqfuse_kernels"] = [k.config for k in compiled.kernels]
+            for bm, bn, stages in CONFIGS:
+                run = template(inputs[0], inputs[1], epilogue, epi_args, bm, bn, stages)
+                err = (run().float() - want.float()).abs().max().item()
+                key = f"template {bm}x{bn} stages {stages}"
+                row[f"{key} max_abs_err"] = round(err, 5)
+                if err > 0.05:
+                    bad += 1
+                    print(f"{name} {key}: max abs error {err}", flush=True)
+                fns[key] = run
+            for key, (epi, e_args, body, split, check) in extra.items():
+                run = template(inputs[0], inputs[1], epi, e_args, 128, 128, 4, body=body, split=split)
+                if check:
+                    row[f"{key} max_abs_err"] = round((run().float() - want.float()).abs().max().item(), 5)
+                fns[f"template 128x128 stages 4, {key}"] = run
+            us = bench_interleaved(fns)
+            row["us"] = {k: round(v, 1) for k, v in us.items()}
+            row["tflops"] = {k: round(flops / v / 1e6, 1) for k, v in us.items()}
+            row["over_cublas_matmul_alone"] = {k: round(v / us["cublas_matmul_alone"], 3) for k, v in us.items()}
+        except Exception:  # noqa: BLE001
+            row["error"] = traceback.format_exc()[-2000:]
+            traceback.print_exc()
+        print(row, flush=True)
+        log.append(row)
+        save_results(args.out, log, configs=CONFIGS)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
