@@ -29,6 +29,15 @@ costs 34 us even when overlapped (it is 44 us in the generated kernel, not overl
 and the 128 x 128 K loop is slower than the generated kernel's 128 x 256: no net win, and
 the template is not offered by code generation.
 
+Why the overlap buys nothing here (``--clocks``, same card, results
+matmul-pingpong-probe-clocks_*): every contender, cuBLAS included, runs at the card's
+power cap (687-693 W of 700) with the SM clock pulled down to 1380-1545 MHz of 1980. A
+product this size is limited by energy, not by issue slots: the erf's instructions cost
+their joules whether or not they overlap the tensor cores, and only fewer of them (or a
+K loop that moves fewer bytes through shared memory: the 128 x 128 tiles ran at the
+lowest clock, 1380-1410 MHz) make it faster. libdevice's erff is already short (about
+20 instructions, one ex2, branch-free: its PTX for sm_90).
+
 The epilogue is a ``@gluon.jit`` function passed as a constexpr: ``EPILOGUE(acc, mindex,
 nindex, *epi_args)`` returns the output tile; ``mindex`` and ``nindex`` are the rows and
 columns in the accumulator's layout, so that loads made from them come back in it.
@@ -281,9 +290,35 @@ def workloads():
         yield f"matmul {s}^3 fp16", mm, (a, b), _identity, (), 2 * s ** 3, {}
 
 
+def clocks(fn, seconds: float = 2.0) -> dict:
+    """The SM clock (MHz) and board power (W) nvidia-smi reads while ``fn`` runs back to
+    back for ``seconds``: medians of its samples, the first quarter (ramping) left out.
+    Read-only: the card's settings are left as they are."""
+    import subprocess
+    import time
+    fn()
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    smi.terminate()
+    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 1]
+    rows = rows[len(rows) // 4:]
+    if not rows:
+        return {}
+    mhz = sorted(float(r[0]) for r in rows)
+    watts = sorted(float(r[1]) for r in rows)
+    return {"sm_mhz": mhz[len(mhz) // 2], "watts": watts[len(watts) // 2], "samples": len(rows)}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
+    p.add_argument("--clocks", action="store_true", help="also the SM clock and power while each contender runs")
     args = p.parse_args(argv)
     print(torch.cuda.get_device_name(), flush=True)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.uint8, device="cuda"))
@@ -317,6 +352,8 @@ def main(argv=None):
             row["us"] = {k: round(v, 1) for k, v in us.items()}
             row["tflops"] = {k: round(flops / v / 1e6, 1) for k, v in us.items()}
             row["over_cublas_matmul_alone"] = {k: round(v / us["cublas_matmul_alone"], 3) for k, v in us.items()}
+            if args.clocks:
+                row["clocks"] = {k: clocks(f) for k, f in fns.items()}
         except Exception:  # noqa: BLE001
             row["error"] = traceback.format_exc()[-2000:]
             traceback.print_exc()
