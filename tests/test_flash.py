@@ -24,6 +24,8 @@ def kernel_of(name, heads=2, seq=17, d=16, dtype=torch.float16, layout="bhsd"):
     inputs = list(ex.make_inputs(2, heads, seq, d, dtype, DEVICE))
     if layout == "bshd":  # q, k, v as a projection leaves them: [B, S, H, D] seen as [B, H, S, D]
         inputs[:3] = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in inputs[:3]]
+    if layout == "kt":  # k stored transposed, [B, H, D, S]: its keys contiguous
+        inputs[1] = inputs[1].transpose(-1, -2).contiguous().transpose(-1, -2)
     compiled = eqfuse.compile(ex.fn, tuple(inputs), autotune=False)
     (k,) = compiled.kernels
     return compiled, k, inputs
@@ -46,6 +48,24 @@ def test_operands_in_a_projections_layout_keep_their_strides():
     _, k, _ = kernel_of("causal_attention", heads=3, layout="bshd")
     f = flash.form(k.spec, k.schedule.band, k.schedule.m)
     assert (f.q.row_stride, f.q.batch_strides) == (3 * 16, (17 * 3 * 16, 16))
+    assert not f.k_transposed
+
+
+@pytest.mark.parametrize("seq", [24, 40])
+def test_k_stored_transposed_is_read_by_its_rows_of_d(seq):
+    """k laid out [B, H, D, S] (Llama's plan writes k so after its rotary embedding): the
+    template reads k^T's [D, BLOCK_N] boxes, rows of D at a stride of S, heads x D rows
+    collapsing into one box."""
+    _, k, _ = kernel_of("causal_attention", heads=3, seq=seq, layout="kt")
+    f = flash.form(k.spec, k.schedule.band, k.schedule.m)
+    assert f.k_transposed
+    assert (f.k.row_stride, f.k.batch_strides) == (seq, (3 * 16 * seq, 16 * seq))
+    assert f.collapsible
+
+
+def test_k_stored_transposed_at_an_unaligned_stride_keeps_the_portable_kernel():
+    _, k, _ = kernel_of("causal_attention", heads=3, seq=17, layout="kt")  # rows of 34 bytes: no TMA
+    assert flash.form(k.spec, k.schedule.band, k.schedule.m) is None
 
 
 @pytest.mark.parametrize("name", ["padded_attention", "attention_scale_split"])
@@ -142,7 +162,8 @@ def _hopper() -> bool:
 
 
 CASES = [(PER_PROGRAM, 128, seq, layout) for seq in (1, 17, 100, 300) for layout in ("bhsd", "bshd")] + \
-    [(PERSISTENT, d, seq, "bhsd") for d in (64, 128) for seq in (128, 384)]
+    [(PER_PROGRAM, 128, seq, "kt") for seq in (24, 104, 304)] + \
+    [(PERSISTENT, d, seq, layout) for d in (64, 128) for seq in (128, 384) for layout in ("bhsd", "kt")]
 
 
 @pytest.mark.gpu
@@ -171,11 +192,11 @@ from eqfuse.runtime.compile_worker import ast_source
 
 fn = flash_hopper.flash_attention_hopper
 out = []
-for programs, causal, stages in ((0, True, 3), (132, False, 2)):
+for programs, causal, stages, kt in ((0, True, 3, False), (132, False, 2, False), (132, True, 2, True)):
     sig = {p: "*fp16" if p.endswith("_ptr") else "constexpr" for p in fn.arg_names}
     cx = dict(H=4, M=512, N=512, D=128, OQ=0, OK=0, OV=0, OO=0, SCALE=0.1, CAUSAL=causal, BAND_HI=0,
               BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=8,
-              PROGRAMS=programs, CHUNK=4)
+              PROGRAMS=programs, CHUNK=4, KT=kt)
     for t, rows in (("Q", "M"), ("K", "N"), ("V", "N"), ("O", "M")):
         cx.update({f"S{t}B": 4 * 512 * 128, f"S{t}H": 512 * 128, f"S{t}{rows}": 128})
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if p.endswith("_ptr")}
@@ -267,3 +288,29 @@ def test_index_maps_over_a_load_are_read_as_the_view_torch_makes():
     wide = PNode("reshape", (), (PNode("permute", ((0, 2, 1),), (load,), (2, 768, 256), "float16"),),
                  (2, 768 * 256), "float16")
     assert flash._strided(wide) is None  # a reshape no view of those strides can make
+
+
+def test_on_hopper_a_prologue_on_q_leaves_the_attention_kernel_for_the_template(monkeypatch):
+    """At head dim 128 the portable kernel is costed at its measured rate where the
+    template runs (rewrite/cost.py): at Llama's sizes, q's pointwise prologue becomes a
+    kernel of its own and the attention runs as the template; without a Hopper GPU the
+    prologue stays fused. Extraction only: nothing runs."""
+    from eqfuse.codegen import tma
+    from eqfuse.pipeline import build
+    from eqfuse.runtime.compiled import Options
+    causal = ATTENTION_EXAMPLES["causal_attention"].fn
+
+    def scaled_q_attention(q, k, v, w):
+        return causal(q * w, k, v)
+
+    inputs = [torch.empty(4, 32, 2048, 128, dtype=torch.float16) for _ in range(3)] + \
+        [torch.empty(128, dtype=torch.float16)]
+    monkeypatch.setattr(tma, "sm_count", lambda: 132)
+    plans = {}
+    for hopper in (False, True):
+        monkeypatch.setattr(flash, "device_supports", lambda hopper=hopper: hopper)
+        monkeypatch.setattr(tma, "device_supports", lambda hopper=hopper: hopper)
+        res = build(scaled_q_attention, inputs, Options(validate=False, autotune=False, plan_cache=False))
+        plans[hopper] = [(k.schedule.kind, k.schedule.flash is not None) for k in res["kernels"]]
+    assert plans[False] == [("attention", False)]
+    assert plans[True] == [("pointwise", False), ("attention", True)]

@@ -7,9 +7,10 @@ computes: one softmax product and its sum over scores ``dot(q, k^T) * c`` (casts
 change nothing aside), masked at most by a causal band (``codegen/attention.py`` finds
 it), with one output ``expdot / expsum`` in the operands' dtype; q, k and v read as
 stored (through index maps only, one buffer or several) with a unit stride along the head
-dim, at most two batch dims (batch, heads), strides and offsets TMA can take. Anything
-else (a bias, a padding mask, a log-sum-exp output, a prologue on an operand) keeps the
-portable kernel.
+dim (k may instead be stored transposed, the keys contiguous: the layout in which
+Llama's plan writes k after its rotary embedding), at most two batch dims (batch,
+heads), strides and offsets TMA can take. Anything else (a bias, a padding mask, a
+log-sum-exp output, a prologue on an operand) keeps the portable kernel.
 
 The template is one autotuning candidate among the portable kernel's, offered on Hopper
 (compute capability 9.0, compiled) at the head dims where it was measured to win.
@@ -57,6 +58,8 @@ class Form:
     scale: float  # the scores in log2 units are dot(q, k^T) * scale
     band_hi: int | None  # causal: row i sees keys j <= i + band_hi
     collapsible: bool  # q, k, v are [heads x rows, D] boxes: batch, head and row strides compose
+    # k stored transposed ([..., D, N], the keys contiguous): k's rows are its D rows
+    k_transposed: bool = False
 
 
 @functools.cache
@@ -121,7 +124,11 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     # A constant factor on q or k (the scale written on an operand) joins the scale.
     (q_node, q_factor), (k_node, k_factor) = (_factored(n) for n in x.args)
     scale *= q_factor * k_factor
-    q, kt, v = (_operand(n, contiguous=axis) for n, axis in ((q_node, -1), (k_node, -2), (expdot.args[1], -1)))
+    q, v = _operand(q_node, contiguous=-1), _operand(expdot.args[1], contiguous=-1)
+    # k^T with D contiguous (K's rows as stored), or stored transposed with the keys contiguous
+    kt, k_transposed = _operand(k_node, contiguous=-2), False
+    if kt is None:
+        kt, k_transposed = _operand(k_node, contiguous=-1), True
     if None in (q, kt, v) or out in (q.buf, kt.buf, v.buf):
         return None
     d, e = expdot.args[1].shape[-1], x.args[0].shape[-1]
@@ -131,8 +138,8 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
         return None
     batch = tuple(root.shape[:-2])
     m, n = x.shape[-2:]
-    collapsible = collapses(q, batch, m) and collapses(kt, batch, n) and collapses(v, batch, n)
-    return Form(q, kt, v, out, scale, band[1] if band is not None else None, collapsible)
+    collapsible = collapses(q, batch, m) and collapses(kt, batch, d if k_transposed else n) and collapses(v, batch, n)
+    return Form(q, kt, v, out, scale, band[1] if band is not None else None, collapsible, k_transposed)
 
 
 def _strip(node: PNode, ops_: tuple) -> PNode:
@@ -164,7 +171,8 @@ def _factored(node: PNode) -> tuple[PNode, float]:
 def _operand(node: PNode, contiguous: int) -> Operand | None:
     """An operand read as stored (through index maps only: a projection's output split
     into heads, transposed, sliced), with a unit stride along ``contiguous`` (-1: rows of
-    D; -2: k^T, whose D runs down its columns)."""
+    D, or k^T stored as such; -2: k^T, whose D runs down its columns). Its rows are the
+    other axis."""
     view = _strided(node) if len(node.shape) <= 4 else None
     if view is None:
         return None
@@ -236,7 +244,7 @@ def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:
         row = "M" if name in "QO" else "N"
         values.update({f"O{name}": op.offset, f"S{name}B": b_stride, f"S{name}H": h_stride,
                        f"S{name}{row}": op.row_stride})
-    values.update(SCALE=f.scale, CAUSAL=f.band_hi is not None, BAND_HI=f.band_hi or 0,
+    values.update(SCALE=f.scale, CAUSAL=f.band_hi is not None, BAND_HI=f.band_hi or 0, KT=f.k_transposed,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"],
                   CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=math.prod(batch), PROGRAMS=0, CHUNK=0)
     if persistent:

@@ -26,7 +26,9 @@ What it computes, per batch entry ``b``, head ``h`` and query row ``i``:
 
 a row with no visible key gives NaN (0 / 0, as eager's softmax does). Operands are
 fp16 or bf16 ``[B, H, M or N, D]`` at offsets OQ, OK, OV, OO (elements) from their
-pointers, with any batch and head strides and a unit stride along D; offsets, strides and
+pointers, with any batch and head strides and a unit stride along D, but for k where KT:
+k stored transposed (``[B, H, D, N]``, a unit stride along the keys: Llama's k after its
+rotary embedding, written for the portable kernel), read as ``[D, BLOCK_N]`` tiles; offsets, strides and
 base addresses must be multiples of 16 bytes (TMA). The kernel makes its TMA descriptors
 on the device (Triton's global scratch): per program for its head, or once per persistent
 program over collapsed operands. The sizes and strides are constexprs: the kernel is
@@ -97,19 +99,20 @@ def _item(t, mblk0, bh0, N: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.cons
 
 
 @gluon.jit
-def _fetch(desc, row, g, ready, empty, smem, STAGES: gl.constexpr):
-    """The g-th tile of a ring (K's or V's), at ``row`` of ``desc``, once both consumers
-    have released its slot. A fresh mbarrier counts as having completed the phase before
+def _fetch(desc, row, col, g, ready, empty, smem, STAGES: gl.constexpr):
+    """The g-th tile of a ring (K's or V's), at ``[row, col]`` of ``desc``, once both
+    consumers have released its slot. A fresh mbarrier counts as having completed the phase before
     its first: the first pass through a ring does not wait."""
     slot = g % STAGES
     mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, 0], ready.index(slot), smem.index(slot))
+    tma.async_copy_global_to_shared(desc, [row, col], ready.index(slot), smem.index(slot))
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
-            M: gl.constexpr, N: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr,
+            M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, KT: gl.constexpr, CAUSAL: gl.constexpr,
+            BAND_HI: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
             PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr, CHUNK: gl.constexpr):
     """One warp: per work item, q's two halves, and K and V tiles into their rings in the
@@ -125,11 +128,15 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
         bh, off_m, tiles = _item(t, mblk0, bh0, N, CAUSAL, BAND_HI, BLOCK_M, BLOCK_N, PROGRAMS, MB, BH, CHUNK)
         # Persistent programs read collapsed [heads x rows, D] boxes; the others one head's.
         q_row = off_m + (bh * M if PROGRAMS else 0)
-        k_row = bh * N if PROGRAMS else 0
+        v_row = bh * N if PROGRAMS else 0
+        k_row = (bh * D if KT else bh * N) if PROGRAMS else 0
         qb = qi % QBUF
         for i in range(tiles + 1):
             if i < tiles:
-                _fetch(k_desc, k_row + i * BLOCK_N, it + i, k_ready, k_empty, k_smem, STAGES)
+                if KT:  # k^T's [D, BLOCK_N] box of the keys
+                    _fetch(k_desc, k_row, i * BLOCK_N, it + i, k_ready, k_empty, k_smem, STAGES)
+                else:
+                    _fetch(k_desc, k_row + i * BLOCK_N, 0, it + i, k_ready, k_empty, k_smem, STAGES)
             if i == 0:
                 mbarrier.wait(q_empty.index(qb), ((qi // QBUF) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
@@ -137,14 +144,22 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
                 tma.async_copy_global_to_shared(q_desc, [q_row + HALF, 0], q_ready.index(qb),
                                                 q_smem.index(2 * qb + 1))
             if i > 0:
-                _fetch(v_desc, k_row + (i - 1) * BLOCK_N, it + i - 1, v_ready, v_empty, v_smem, STAGES)
+                _fetch(v_desc, v_row + (i - 1) * BLOCK_N, 0, it + i - 1, v_ready, v_empty, v_smem, STAGES)
         it += tiles
         qi += 1
 
 
 @gluon.jit
+def _kt(k_smem, slot, KT: gl.constexpr):
+    """k^T's tile in ring slot ``slot``: as stored where KT, else K's ``[BLOCK_N, D]`` tile
+    seen transposed."""
+    return k_smem.index(slot) if KT else k_smem.index(slot).permute((1, 0))
+
+
+@gluon.jit
 def _consumer(o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, WHICH: gl.constexpr,
-              M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, SCALE: gl.constexpr, CAUSAL: gl.constexpr,
+              M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, KT: gl.constexpr, SCALE: gl.constexpr,
+              CAUSAL: gl.constexpr,
               BAND_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               QBUF: gl.constexpr, PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr,
               CHUNK: gl.constexpr):
@@ -182,7 +197,7 @@ def _consumer(o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, WHICH: gl.cons
         if tiles > 0:
             slot = it % STAGES
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            s = warpgroup_mma(q, _kt(k_smem, slot, KT), s_zero, use_acc=False)
             mbarrier.arrive(k_empty.index(slot), count=1)
             p32, alpha, m_run, l_run = _softmax_step(s, m_run, l_run, 0, rows, SCALE, N, BAND_HI, CAUSAL,
                                                      BLOCK_N, edge == 0)
@@ -192,7 +207,7 @@ def _consumer(o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, WHICH: gl.cons
             slot = g % STAGES
             prev = (g - 1) % STAGES
             mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q, _kt(k_smem, slot, KT), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
             o_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
             # The scores are ready once at most one product (P @ V) is in flight.
@@ -232,7 +247,7 @@ def flash_attention_hopper(
         H: gl.constexpr, M: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
         OQ: gl.constexpr, OK: gl.constexpr, OV: gl.constexpr, OO: gl.constexpr,
         SQB: gl.constexpr, SQH: gl.constexpr, SQM: gl.constexpr,
-        SKB: gl.constexpr, SKH: gl.constexpr, SKN: gl.constexpr,
+        SKB: gl.constexpr, SKH: gl.constexpr, SKN: gl.constexpr, KT: gl.constexpr,
         SVB: gl.constexpr, SVH: gl.constexpr, SVN: gl.constexpr,
         SOB: gl.constexpr, SOH: gl.constexpr, SOM: gl.constexpr,
         SCALE: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr,
@@ -242,7 +257,8 @@ def flash_attention_hopper(
     loader warp issues every TMA copy, and two warpgroups of 4 warps (the kernel's
     ``num_warps`` and one worker) each own half of the rows. Each consumer releases a K or
     V slot with its own mbarrier arrival, so the two drift apart and one's softmax runs
-    while the other's products hold the tensor cores. Launch with ``num_warps=4`` and
+    while the other's products hold the tensor cores. SKN is the stride of K's rows, or of
+    k^T's (along D) where KT. Launch with ``num_warps=4`` and
     ``maxnreg=MAXNREG``: 12 warps' registers at launch, which the loader gives back to the
     consumers (CONSUMER_REGS each).
 
@@ -259,12 +275,16 @@ def flash_attention_hopper(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], dtype)
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    k_box: gl.constexpr = [D, BLOCK_N] if KT else [BLOCK_N, D]
+    k_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(k_box, dtype)
+    k_rows: gl.constexpr = D if KT else N  # rows of a head's K box
+    k_cols: gl.constexpr = N if KT else D
     if PROGRAMS:
         work = (gl.program_id(0), BH * MB, PROGRAMS, 0, 0)
         q_desc = tma.make_tensor_descriptor(q_ptr + OQ, shape=[BH * M, D], strides=[SQM, 1],
                                             block_shape=[HALF, D], layout=q_smem_layout)
-        k_desc = tma.make_tensor_descriptor(k_ptr + OK, shape=[BH * N, D], strides=[SKN, 1],
-                                            block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+        k_desc = tma.make_tensor_descriptor(k_ptr + OK, shape=[BH * k_rows, k_cols], strides=[SKN, 1],
+                                            block_shape=k_box, layout=k_smem_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr + OV, shape=[BH * N, D], strides=[SVN, 1],
                                             block_shape=[BLOCK_N, D], layout=kv_smem_layout)
         o_desc = tma.make_tensor_descriptor(o_ptr + OO, shape=[BH * M, D], strides=[SOM, 1],
@@ -279,8 +299,8 @@ def flash_attention_hopper(
         work = (0, 1, 1, pid, bh)
         q_desc = tma.make_tensor_descriptor(q_ptr + OQ + b * SQB + h * SQH, shape=[M, D], strides=[SQM, 1],
                                             block_shape=[HALF, D], layout=q_smem_layout)
-        k_desc = tma.make_tensor_descriptor(k_ptr + OK + b * SKB + h * SKH, shape=[N, D], strides=[SKN, 1],
-                                            block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+        k_desc = tma.make_tensor_descriptor(k_ptr + OK + b * SKB + h * SKH, shape=[k_rows, k_cols],
+                                            strides=[SKN, 1], block_shape=k_box, layout=k_smem_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr + OV + b * SVB + h * SVH, shape=[N, D], strides=[SVN, 1],
                                             block_shape=[BLOCK_N, D], layout=kv_smem_layout)
         o_desc = tma.make_tensor_descriptor(o_ptr + OO + b * SOB + h * SOH, shape=[M, D], strides=[SOM, 1],
@@ -291,7 +311,8 @@ def flash_attention_hopper(
         o_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_smem_layout)
     else:  # one item: each half of q stages its own output once its last product is done
         o_smem = q_smem
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_smem_layout)
+    k_ring: gl.constexpr = [STAGES, D, BLOCK_N] if KT else [STAGES, BLOCK_N, D]
+    k_smem = gl.allocate_shared_memory(dtype, k_ring, k_smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_smem_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
@@ -310,10 +331,10 @@ def flash_attention_hopper(
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
 
     gl.warp_specialize([
-        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 0, M, N, D, SCALE, CAUSAL, BAND_HI,
+        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 0, M, N, D, KT, SCALE, CAUSAL, BAND_HI,
                      BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
-        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 1, M, N, D, SCALE, CAUSAL, BAND_HI,
+        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 1, M, N, D, KT, SCALE, CAUSAL, BAND_HI,
                      BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work, M, N, CAUSAL, BAND_HI,
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work, M, N, D, KT, CAUSAL, BAND_HI,
                    BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
     ], [4, 1], [CONSUMER_REGS, 24])

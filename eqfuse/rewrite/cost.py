@@ -118,6 +118,25 @@ OPERAND_TILE = 128  # a matmul operand is computed once per output tile it meets
 STREAMED_WORK = 4.0
 
 
+# On Hopper the flash template (codegen/flash.py) runs an attention kernel of the plain
+# form at head dim 128 about 1.3x faster than the portable kernel does (H200, S=2048: the
+# portable kernel 1.29-1.31x SDPA's time, the template 0.98-1.04x). There, a kernel the
+# template cannot take (a prologue such as q's rotary embedding) is costed at the portable
+# kernel's rate, so that extraction weighs a kernel of its own for the prologue against
+# it. At head dim 64 the two ran within 8% of each other: not weighed.
+PORTABLE_ATTENTION_SLOWDOWN = 1.3
+
+
+def attention_slowdown(sched) -> float:
+    """How much slower than the tensor cores' rate an attention kernel's products run:
+    PORTABLE_ATTENTION_SLOWDOWN for a head-dim-128 kernel on a device where the flash
+    template runs others but cannot run this one, else 1."""
+    from ..codegen import flash
+    if sched.flash is None and sched.k == sched.d == 128 and flash.device_supports():
+        return PORTABLE_ATTENTION_SLOWDOWN
+    return 1.0
+
+
 def kernel_compute(spec: KernelSpec) -> float:
     """Pointwise work, in cost units. A matmul's operand (prologue) counts once per output
     tile that reads it: about N / 128 times for the left operand, M / 128 for the right;
@@ -191,5 +210,5 @@ def kernel_time_us(spec: KernelSpec, buffers: dict, device: Device | None = None
         best = tiles.ranked(sched, device)
         compute += tiles.modelled_time_us(sched, best[0], device) if best else math.inf
     elif sched is not None and sched.kind == "attention":
-        compute += attention_flops(sched) / device.tensor_flops_per_us(sched.dot_dtype)
+        compute += attention_flops(sched) / device.tensor_flops_per_us(sched.dot_dtype) * attention_slowdown(sched)
     return device.launch_us + max(memory, compute)
