@@ -95,10 +95,8 @@ PERSISTENT = {**PER_PROGRAM, "FLASH": 2, "num_stages": 2}
 
 def flash_module(monkeypatch, name, cfg=PER_PROGRAM, **kw):
     """The module with the kernel as the template, as a Hopper GPU's autotuner would make it."""
-    monkeypatch.setattr(flash, "device_supports", lambda: True)
-    if not torch.cuda.is_available():  # the persistent form asks the GPU for its SMs and L2
-        monkeypatch.setattr(flash, "persistent_programs", lambda heads, m, n, d, item, block_m: (132, 24))
-    compiled, k, inputs = kernel_of(name, **kw)
+    compiled, k, inputs = kernel_of(name, **kw)  # compiled (and run) with the portable kernel
+    on_hopper(monkeypatch)
     source, infos = generate_module(compiled.plan, name, "test", {k.name: cfg})
     return compiled, infos[0], source, inputs
 
@@ -114,18 +112,44 @@ def test_persistent_programs_walk_collapsed_operands(monkeypatch):
 def test_persistent_form_only_where_heads_and_rows_collapse(monkeypatch, layout, seq):
     """Heads interleaved with rows, or a ragged last block (a tile would reach into the next
     head): one program per block."""
-    monkeypatch.setattr(flash, "device_supports", lambda: True)
     _, k, _ = kernel_of("attention", heads=3, seq=seq, d=64, layout=layout)
-    assert k.schedule.flash is not None
-    assert not any(c["FLASH"] == 2 for c in flash.candidates(k.schedule))
+    sched = hopper_schedule(monkeypatch, k)
+    assert sched.flash is not None
+    assert not any(c["FLASH"] == 2 for c in flash.candidates(sched))
+
+
+def on_hopper(monkeypatch):
+    """Code generation as on a Hopper GPU (an H100's SMs and L2 where there is none)."""
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    if not torch.cuda.is_available():  # the persistent form asks the GPU for its SMs and L2
+        monkeypatch.setattr(flash, "persistent_programs", lambda heads, m, n, d, item, block_m: (132, 24))
+
+
+def hopper_schedule(monkeypatch, k):
+    """The schedule a Hopper GPU gives the kernel ``k`` (compiled here with the portable
+    kernel: the template does not run on the CPU)."""
+    from eqfuse.codegen.kernel import schedule_of
+    on_hopper(monkeypatch)
+    return schedule_of(k.spec)
 
 
 def test_per_program_form_only_at_head_dim_128(monkeypatch):
-    monkeypatch.setattr(flash, "device_supports", lambda: True)
-    _, k, _ = kernel_of("attention", heads=3, seq=256, d=64)
-    assert [c["FLASH"] for c in flash.candidates(k.schedule)] == [2]
-    _, k, _ = kernel_of("attention", heads=3, seq=256, d=128)
-    assert sorted(c["FLASH"] for c in flash.candidates(k.schedule)) == [1, 1, 2]
+    _, k64, _ = kernel_of("attention", heads=3, seq=256, d=64)
+    _, k128, _ = kernel_of("attention", heads=3, seq=256, d=128)
+    assert [c["FLASH"] for c in flash.candidates(hopper_schedule(monkeypatch, k64))] == [2]
+    assert sorted(c["FLASH"] for c in flash.candidates(hopper_schedule(monkeypatch, k128))) == [1, 1, 2]
+
+
+def test_an_untuned_build_runs_the_template_at_head_dim_128_only(monkeypatch):
+    """The first candidate is the untuned configuration: the template's at head dim 128
+    (faster wherever measured), the portable kernel's at 64 (within 8% either way)."""
+    from eqfuse.codegen import attention
+    from eqfuse.codegen.kernel import default_config
+    kernels = {d: kernel_of("attention", heads=3, seq=256, d=d)[1] for d in (128, 64)}
+    for d, first in ((128, 2), (64, None)):
+        sched = hopper_schedule(monkeypatch, kernels[d])
+        assert attention.candidates(sched)[0].get("FLASH") == first
+        assert default_config(sched) == attention.candidates(sched)[0]
 
 
 def test_the_module_launches_the_template_with_the_portable_kernel_for_unaligned_addresses(monkeypatch):
@@ -308,7 +332,10 @@ def test_on_hopper_a_prologue_on_q_leaves_the_attention_kernel_for_the_template(
     monkeypatch.setattr(tma, "sm_count", lambda: 132)
     plans = {}
     for hopper in (False, True):
-        monkeypatch.setattr(flash, "device_supports", lambda hopper=hopper: hopper)
+        if hopper:
+            on_hopper(monkeypatch)
+        else:
+            monkeypatch.setattr(flash, "device_supports", lambda: False)
         monkeypatch.setattr(tma, "device_supports", lambda hopper=hopper: hopper)
         res = build(scaled_q_attention, inputs, Options(validate=False, autotune=False, plan_cache=False))
         plans[hopper] = [(k.schedule.kind, k.schedule.flash is not None) for k in res["kernels"]]

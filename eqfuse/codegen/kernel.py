@@ -1161,7 +1161,8 @@ def unaligned_config(sched: Schedule, cfg: dict) -> dict:
     16-byte aligned: the same tiles one program per tile, or the flash template's
     kernel in its portable form."""
     if cfg.get("FLASH"):
-        return default_config(sched)
+        from . import attention
+        return next(c for c in attention.candidates(sched) if "FLASH" not in c)
     return {k: v for k, v in cfg.items() if k != "PROGRAMS"}
 
 
