@@ -219,3 +219,29 @@ def test_softmax_alone_stays_a_row_reduction():
     assert_matches(c(x), torch.softmax(x, -1))
     assert [k.schedule.kind for k in c.kernels] == ["reduction"]
 
+
+
+def test_the_mask_analysis_runs_torch_on_one_thread_and_gives_the_count_back(monkeypatch):
+    """The analysis evaluates masks on the CPU while the compile pool starts on every core;
+    over torch's whole thread pool each small op waited for busy threads (codegen/attention.py)."""
+    from eqfuse.codegen import attention
+    seen = []
+    analyse = attention._masked_band
+
+    def recording(s):
+        seen.append(torch.get_num_threads())
+        return analyse(s)
+
+    monkeypatch.setattr(attention, "_masked_band", recording)
+    monkeypatch.setattr(attention, "_bands", {})
+    before = max(2, torch.get_num_threads())
+    torch.set_num_threads(before)
+    try:
+        ex = ATTENTION_EXAMPLES["causal_attention"]
+        inputs = ex.make_inputs(1, 2, 24, 16, torch.float32, DEVICE)
+        compiled = eqfuse.compile(ex.fn, inputs, autotune=False)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == before
+        assert compiled.kernels[0].schedule.band == (-23, 0)  # the analysis still finds the causal band
+    finally:
+        torch.set_num_threads(before)
