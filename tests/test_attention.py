@@ -245,3 +245,23 @@ def test_the_mask_analysis_runs_torch_on_one_thread_and_gives_the_count_back(mon
         assert compiled.kernels[0].schedule.band == (-23, 0)  # the analysis still finds the causal band
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_mask_shared_by_candidate_kernels_is_evaluated_once(monkeypatch):
+    """Extraction weighs many kernels over the same scores; the mask they share is
+    evaluated once per structure, not once per tree (codegen/attention.py)."""
+    from eqfuse.codegen import attention
+    from eqfuse.schema.plan import PNode
+
+    def mask():  # a new tree each time: rows >= columns over [64 x 64]
+        rows = PNode("iota", (0,), (), (64, 1), "int64")
+        cols = PNode("iota", (1,), (), (1, 64), "int64")
+        return PNode("binary", ("ge",), (rows, cols), (64, 64), "bool")
+
+    calls = []
+    evaluate = attention._static
+    monkeypatch.setattr(attention, "_static", lambda node: calls.append(node) or evaluate(node))
+    monkeypatch.setattr(attention, "_statics", {})
+    first, second = attention._static_kept(mask()), attention._static_kept(mask())
+    assert [n.op for n in calls] == ["binary", "iota", "iota"] and first is second  # one evaluation
+    assert torch.equal(first, torch.arange(64)[:, None] >= torch.arange(64)[None, :])

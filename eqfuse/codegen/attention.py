@@ -232,7 +232,7 @@ def _certainly_neg_inf(node: PNode):
     if op == "const":
         return torch.tensor(float(node.attrs[0]) == float("-inf"))
     if op == "where":
-        cond = _static(node.args[0])
+        cond = _static_kept(node.args[0])
         a, b = (_certainly_neg_inf(x) for x in node.args[1:])
         if cond is None:
             return a & b if a is not None and b is not None else None
@@ -244,7 +244,7 @@ def _certainly_neg_inf(node: PNode):
             return a if b is None else b
         return a | b
     if op == "binary" and node.attrs[0] in ("sub", "mul", "div"):
-        other = _static(node.args[1])
+        other = _static_kept(node.args[1])
         if node.attrs[0] != "sub" and not (other is not None and bool((other > 0).all())):
             return None  # a scale must be a known positive number to keep -inf
         return _certainly_neg_inf(node.args[0])
@@ -316,7 +316,7 @@ def _inside_value(node: PNode, structure: tuple, m: int, n: int, hi: int):
         if len(_inside_values) >= 256:
             _inside_values.clear()
         with _one_thread():
-            static = _static(node)
+            static = _static_kept(node)
             if static is None:
                 answer = None
             elif static.numel() <= 1:
@@ -425,6 +425,21 @@ def _is_neg_inf(node: PNode) -> bool:
     while node.op == "broadcast":
         node = node.args[0]
     return node.op == "const" and float(node.attrs[0]) == float("-inf")
+
+
+def _static_kept(node: PNode):
+    """``_static(node)``, kept by the subtree's structure for the next few trees that hold
+    it: the candidate kernels of a graph share its mask, which at 2048 x 2048 scores took
+    20-30 ms an op to evaluate again for each (Llama's inference graph: 7 times)."""
+    key = _structure(node, {})
+    if key not in _statics:
+        if len(_statics) >= 8:
+            _statics.pop(next(iter(_statics)))
+        _statics[key] = _static(node)
+    return _statics[key]
+
+
+_statics: dict = {}  # structure -> _static's value, the oldest dropped first
 
 
 def _static(node: PNode):
