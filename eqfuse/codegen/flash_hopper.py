@@ -26,9 +26,9 @@ What it computes, per batch entry ``b``, head ``h`` and query row ``i``:
 
 a row with no visible key gives NaN (0 / 0, as eager's softmax does). Operands are
 fp16 or bf16 ``[B, H, M or N, D]`` at offsets OQ, OK, OV, OO (elements) from their
-pointers, with any batch and head strides and a unit stride along D, but for k where KT:
-k stored transposed (``[B, H, D, N]``, a unit stride along the keys: Llama's k after its
-rotary embedding, written for the portable kernel), read as ``[D, BLOCK_N]`` tiles; offsets, strides and
+pointers, with any batch and head strides and a unit stride along D; where KT, k is
+stored transposed instead (``[B, H, D, N]``, a unit stride along the keys: Llama's k
+after its rotary embedding) and read as ``[D, BLOCK_N]`` tiles. Offsets, strides and
 base addresses must be multiples of 16 bytes (TMA). The kernel makes its TMA descriptors
 on the device (Triton's global scratch): per program for its head, or once per persistent
 program over collapsed operands. The sizes and strides are constexprs: the kernel is
@@ -101,8 +101,8 @@ def _item(t, mblk0, bh0, N: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.cons
 @gluon.jit
 def _fetch(desc, row, col, g, ready, empty, smem, STAGES: gl.constexpr):
     """The g-th tile of a ring (K's or V's), at ``[row, col]`` of ``desc``, once both
-    consumers have released its slot. A fresh mbarrier counts as having completed the phase before
-    its first: the first pass through a ring does not wait."""
+    consumers have released its slot. A fresh mbarrier counts as having completed the
+    phase before its first: the first pass through a ring does not wait."""
     slot = g % STAGES
     mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
@@ -112,8 +112,8 @@ def _fetch(desc, row, col, g, ready, empty, smem, STAGES: gl.constexpr):
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
             M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, KT: gl.constexpr, CAUSAL: gl.constexpr,
-            BAND_HI: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr,
+            BAND_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            QBUF: gl.constexpr,
             PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr, CHUNK: gl.constexpr):
     """One warp: per work item, q's two halves, and K and V tiles into their rings in the
     order the consumers use them (K_i beside V_{i-1}), each as soon as both consumers have
@@ -159,10 +159,9 @@ def _kt(k_smem, slot, KT: gl.constexpr):
 @gluon.jit
 def _consumer(o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, WHICH: gl.constexpr,
               M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, KT: gl.constexpr, SCALE: gl.constexpr,
-              CAUSAL: gl.constexpr,
-              BAND_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              QBUF: gl.constexpr, PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr,
-              CHUNK: gl.constexpr):
+              CAUSAL: gl.constexpr, BAND_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, QBUF: gl.constexpr, PROGRAMS: gl.constexpr, MB: gl.constexpr,
+              BH: gl.constexpr, CHUNK: gl.constexpr):
     """One warpgroup: per work item, rows ``WHICH * HALF`` on of its query block, over
     every key tile they see, with the next tile's scores overlapping this tile's P @ V."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
@@ -258,9 +257,9 @@ def flash_attention_hopper(
     ``num_warps`` and one worker) each own half of the rows. Each consumer releases a K or
     V slot with its own mbarrier arrival, so the two drift apart and one's softmax runs
     while the other's products hold the tensor cores. SKN is the stride of K's rows, or of
-    k^T's (along D) where KT. Launch with ``num_warps=4`` and
-    ``maxnreg=MAXNREG``: 12 warps' registers at launch, which the loader gives back to the
-    consumers (CONSUMER_REGS each).
+    k^T's (along D) where KT. Launch with ``num_warps=4`` and ``maxnreg=MAXNREG``: 12
+    warps' registers at launch, which the loader gives back to the consumers
+    (CONSUMER_REGS each).
 
     PROGRAMS = 0: one program per query block, grid (blocks, BH), descriptors made per
     program for its head. PROGRAMS > 0: that many persistent programs walk the BH x blocks
