@@ -63,6 +63,14 @@ def test_k_stored_transposed_is_read_by_its_rows_of_d(seq):
     assert f.collapsible
 
 
+def test_the_module_hands_k_stored_transposed_to_the_persistent_template(monkeypatch):
+    _, info, _, _ = flash_module(monkeypatch, "causal_attention", PERSISTENT, heads=3, seq=128, d=64, layout="kt")
+    c = info.constexprs
+    assert c["KT"] and c["PROGRAMS"] > 0
+    assert (c["SKN"], c["SKH"], c["SKB"]) == (128, 64 * 128, 3 * 64 * 128)  # rows of D, heads, batch
+    assert (c["SQM"], c["SVN"]) == (64, 64)  # q and v as before
+
+
 def test_k_stored_transposed_at_an_unaligned_stride_keeps_the_portable_kernel():
     _, k, _ = kernel_of("causal_attention", heads=3, seq=17, layout="kt")  # rows of 34 bytes: no TMA
     assert flash.form(k.spec, k.schedule.band, k.schedule.m) is None
