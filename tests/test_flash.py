@@ -181,6 +181,7 @@ def test_a_sized_module_keeps_the_portable_kernel(monkeypatch):
     cfg = {"FLASH": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
     g = generate_kernel(compiled.plan.kernels[0], compiled.plan.buffers, cfg, runtime=frozenset({"M", "N"}))
     assert g.constexprs is None and "@triton.jit" in g.text
+    assert "FLASH" not in g.cfg and "FLASH" not in g.text  # the portable kernel's own configuration
 
 
 def test_the_compile_worker_stubs_a_template_import():

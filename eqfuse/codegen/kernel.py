@@ -1158,8 +1158,9 @@ def fallback_candidates(sched: Schedule) -> list[dict]:
 
 def unaligned_config(sched: Schedule, cfg: dict) -> dict:
     """The configuration of the form a TMA kernel's launcher runs where an address is not
-    16-byte aligned: the same tiles one program per tile, or the flash template's
-    kernel in its portable form."""
+    16-byte aligned: the same tiles one program per tile, or for the flash template the
+    portable kernel's first choice (also what a kernel the template cannot be generated
+    for runs)."""
     if cfg.get("FLASH"):
         from . import attention
         return next(c for c in attention.candidates(sched) if "FLASH" not in c)
@@ -1206,7 +1207,7 @@ def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
         g = flash.generate(spec, sched, buffers, cfg, runtime)
         if g is not None:
             return g
-        cfg = default_config(sched)
+        cfg = unaligned_config(sched, cfg)  # the portable kernel (the default may be the template)
     if sched.kind == "attention":
         from .attention import AttentionWriter
         w = AttentionWriter(spec, buffers, sched, runtime)
