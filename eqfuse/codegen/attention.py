@@ -165,16 +165,23 @@ def masked_band(s: PNode) -> tuple | None:
     Extraction weighs the same scores in many candidate kernels (GPT-2's forward: 79
     times, most of a second of its extraction), each a new tree: the answer is kept by
     the tree's structure."""
-    key = _structure(s, {})
-    if key not in _bands:
-        if len(_bands) >= 256:
-            _bands.clear()
-        with _one_thread():
-            _bands[key] = _masked_band(s)
-    return _bands[key]
+    return _kept(_bands, _structure(s, {}), 256, _masked_band, s)
 
 
 _bands: dict = {}  # the structure of a scores tree -> its band
+
+
+def _kept(cache: dict, key, limit: int, compute, *args):
+    """``cache[key]``, ``compute(*args)`` the first time (on one thread: the analyses are
+    torch's CPU ops), the oldest entry dropped once ``limit`` are kept. The mask analysis
+    keeps its answers so, by the structure of the trees asked about: extraction asks about
+    the same scores and masks in many candidate kernels, each a new tree."""
+    if key not in cache:
+        if len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        with _one_thread():
+            cache[key] = compute(*args)
+    return cache[key]
 
 
 @contextlib.contextmanager
@@ -311,22 +318,18 @@ def _inside_value(node: PNode, structure: tuple, m: int, n: int, hi: int):
     holds a product), _SCALAR for a single number (nothing to fold), _VARIES where it takes
     several. Kept by the subtree's structure: evaluating it over the whole matrix took
     0.2 s at 2048 x 2048 keys, for each kernel generated or weighed."""
-    key = (structure, m, n, hi)
-    if key not in _inside_values:
-        if len(_inside_values) >= 256:
-            _inside_values.clear()
-        with _one_thread():
-            static = _static_kept(node)
-            if static is None:
-                answer = None
-            elif static.numel() <= 1:
-                answer = _SCALAR
-            else:
-                inside = torch.arange(n)[None, :] - torch.arange(m)[:, None] <= hi
-                value = _single_value(static, inside)
-                answer = _VARIES if value is None else value
-        _inside_values[key] = answer
-    return _inside_values[key]
+    return _kept(_inside_values, (structure, m, n, hi), 256, _value_inside, node, m, n, hi)
+
+
+def _value_inside(node: PNode, m: int, n: int, hi: int):
+    static = _static_kept(node)
+    if static is None:
+        return None
+    if static.numel() <= 1:
+        return _SCALAR
+    inside = torch.arange(n)[None, :] - torch.arange(m)[:, None] <= hi
+    value = _single_value(static, inside)
+    return _VARIES if value is None else value
 
 
 def _single_value(static: torch.Tensor, inside: torch.Tensor) -> float | None:
@@ -430,16 +433,12 @@ def _is_neg_inf(node: PNode) -> bool:
 def _static_kept(node: PNode):
     """``_static(node)``, kept by the subtree's structure for the next few trees that hold
     it: the candidate kernels of a graph share its mask, which at 2048 x 2048 scores took
-    20-30 ms an op to evaluate again for each (Llama's inference graph: 7 times)."""
-    key = _structure(node, {})
-    if key not in _statics:
-        if len(_statics) >= 8:
-            _statics.pop(next(iter(_statics)))
-        _statics[key] = _static(node)
-    return _statics[key]
+    20-30 ms an op to evaluate again for each (Llama's inference graph: 7 times). Tensors
+    of a score matrix's size: only a few are kept."""
+    return _kept(_statics, _structure(node, {}), 8, _static, node)
 
 
-_statics: dict = {}  # structure -> _static's value, the oldest dropped first
+_statics: dict = {}  # structure -> _static's value
 
 
 def _static(node: PNode):
