@@ -153,6 +153,42 @@ job = pc.specialisation(launcher, shifted, TARGET)  # the JIT, keying by the ver
 triton.compile(ASTSource(launcher.fn, job.signature, job.constexprs, job.attrs),
                target=GPUTarget(*TARGET), options=job.options)
 out["jit_cache_hits_after_ptxas_changed"] = hits
+knobs.compilation.listener = None
+
+# Triton's own key comes with the job (a worker need not hash Triton's files), where the
+# worker's Triton is the same install: a stand-in key is taken, so the kernel is filed
+# under another key than the JIT's; from another install's path, it is not.
+real_key = pc._triton_key()
+pc._triton_key = lambda: (real_key[0], "a stand-in key")
+knobs.cache.dir = sys.argv[8]
+out["stand_in_triton_key"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
+pc._triton_key = lambda: ("/another/triton", "a stand-in key")
+knobs.cache.dir = sys.argv[9]
+out["stand_in_triton_key_elsewhere"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
+pc._triton_key = lambda: real_key
+
+# The C launcher is built on a thread while the kernel compiles, from the source the
+# compiled kernel would give it (Triton writes it from the signature and the constants).
+import threading
+from dataclasses import asdict
+from triton.backends.nvidia.driver import make_launcher
+from eqfuse.runtime import compile_worker
+
+def launcher_source(k):
+    index = lambda x: (k.src.fn.arg_names.index(x),) if isinstance(x, str) else x
+    return make_launcher({index(i): v for i, v in k.src.constants.items()}, dict(k.src.signature),
+                         getattr(k.metadata, "tensordesc_meta", None))
+
+built = []
+compile_worker._build_launcher = lambda k: built.append(
+    (threading.current_thread() is threading.main_thread(), launcher_source(k))) or ""
+knobs.cache.dir = sys.argv[10]
+job = pc.specialisation(launcher, aligned, TARGET)
+reply = compile_worker.compile_job(asdict(job), {})
+kernel = triton.compile(ASTSource(launcher.fn, job.signature, job.constexprs, job.attrs),
+                        target=GPUTarget(*TARGET), options=job.options)
+out["launcher_ahead"] = {"hash_as_the_jit": reply["hash"] == job.hash, "on_main_thread": [b[0] for b in built],
+                         "same_source": [b[1] == launcher_source(kernel) for b in built]}
 
 # A worker that keys otherwise all the same: the report names the part of the key.
 knobs.cache.dir = sys.argv[7]
@@ -200,7 +236,8 @@ def child_run(tmp_path_factory):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     standin, log = _standin_ptxas(tmp)
-    caches = [str(tmp / name) for name in ("triton-empty", "triton-2", "triton-3", "triton-4")]
+    caches = [str(tmp / name) for name in ("triton-empty", "triton-2", "triton-3", "triton-4", "triton-5",
+                                           "triton-6", "triton-7")]
     proc = subprocess.run([sys.executable, "-c", CHILD, str(path), caches[0], standin, log, *caches[1:]],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -242,6 +279,20 @@ def test_workers_key_by_the_ptxas_version_the_jit_read_first(child_run):
 def test_workers_run_the_ptxas_the_jit_would_run(child_run):
     # the workers were started before TRITON_PTXAS_PATH named the stand-in
     assert child_run["standin_runs_while_running"] >= 1
+
+
+def test_workers_take_tritons_own_key_from_the_job(child_run):
+    taken = child_run["stand_in_triton_key"]
+    assert taken["compiled_in_pool"] == 0, taken
+    (failure,) = taken["failed"]
+    assert "(triton '" in failure and "backend '" not in failure, failure
+    elsewhere = child_run["stand_in_triton_key_elsewhere"]  # another install's key: not taken
+    assert elsewhere["compiled_in_pool"] == 1 and "failed" not in elsewhere, elsewhere
+
+
+def test_the_launcher_is_built_beside_the_compile(child_run):
+    ahead = child_run["launcher_ahead"]
+    assert ahead == {"hash_as_the_jit": True, "on_main_thread": [False], "same_source": [True]}
 
 
 def test_a_key_that_differs_is_explained(child_run):

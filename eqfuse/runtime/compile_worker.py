@@ -115,6 +115,53 @@ def _ptxas_of_the_jit(job: dict) -> None:
     setattr(knobs.nvidia, "ptxas_blackwell" if job["target"][1] >= 100 else "ptxas", path)
 
 
+def _triton_key_of_the_sender(job: dict) -> None:
+    """Triton's hash of its own files as the sending process computed it (see
+    parallel_compile._triton_key), where this worker's Triton is the same install."""
+    import triton
+    from triton.runtime import cache
+
+    own = _OWN_TRITON_KEY.setdefault("function", cache.triton_key)
+    where, key = job.get("triton_key") or ("", "")
+    taken = key and where == os.path.dirname(triton.__file__)
+    cache.triton_key = (lambda: key) if taken else own
+
+
+_OWN_TRITON_KEY: dict = {}  # Triton's function, for a job without a key this worker can take
+
+
+class _LauncherAhead:
+    """The C launcher built on a thread while the kernel compiles, where its source is known
+    before the compile (Triton 3.6 writes it from the signature and constants, and from the
+    compile's metadata only for tensor-descriptor arguments): a C compile of 0.2-0.3 s that
+    otherwise follows the kernel's. ``wait()``: what ``_build_launcher`` returns."""
+
+    def __init__(self, src):
+        import threading
+        self.problem = None
+        self.thread = None
+        if any("tensordesc" in str(ty) for ty in src.signature.values()):
+            return
+        self.thread = threading.Thread(target=self._build, args=(src,), daemon=True)
+        self.thread.start()
+
+    def _build(self, src):
+        self.problem = _build_launcher(types.SimpleNamespace(src=src, metadata=_LAUNCH_METADATA))
+
+    def wait(self, kernel) -> str:
+        if self.thread is None:
+            return _build_launcher(kernel)
+        self.thread.join()
+        return self.problem
+
+
+# What CudaLauncher reads of a compile's metadata besides the tensor descriptors: only to
+# launch, never into the launcher's source (which alone keys the launcher in the cache).
+_LAUNCH_METADATA = types.SimpleNamespace(num_ctas=1, global_scratch_size=0, global_scratch_align=1,
+                                         profile_scratch_size=0, profile_scratch_align=1,
+                                         launch_cooperative_grid=False, launch_pdl=False)
+
+
 def compile_job(job: dict, modules: dict) -> dict:
     import triton
     from triton import knobs
@@ -123,13 +170,15 @@ def compile_job(job: dict, modules: dict) -> dict:
 
     knobs.cache.dir = job["cache_dir"]
     _ptxas_of_the_jit(job)
+    _triton_key_of_the_sender(job)
     fn = getattr(load_kernels(job["path"], modules), job["name"])
     src = ast_source(fn, job["signature"], job["constexprs"], job["attrs"])
     t0 = time.perf_counter()
+    ahead = _LauncherAhead(src) if job["target"][0] == "cuda" else None
     kernel = triton.compile(src, target=GPUTarget(*job["target"]), options=job["options"],
                             _env_vars=job["env_vars"])
     t1 = time.perf_counter()
-    launcher = _build_launcher(kernel)
+    launcher = ahead.wait(kernel) if ahead else _build_launcher(kernel)
     t2 = time.perf_counter()
     reply = {"hash": kernel.hash, "seconds": t2 - t0, "launcher_seconds": t2 - t1}
     if kernel.hash != job.get("hash"):  # the JIT will not find it: say what made it differ

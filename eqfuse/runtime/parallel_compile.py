@@ -101,6 +101,7 @@ class Job:
     hash: str = ""  # the cache key triton.compile will file it under
     ptxas_version: str = ""  # CUDA: the ptxas version this process's JIT keys kernels by (see _ptxas)
     ptxas_path: str = ""  # and the ptxas it would run
+    triton_key: tuple = ()  # (Triton's files, their hash in every key): see _triton_key
 
 
 @dataclass
@@ -113,7 +114,7 @@ class Outcome:
     seconds: float = 0.0
     failed: list = field(default_factory=list)  # "kernel: why": left to compile at first launch
     worker_seconds: float = 0.0  # the compiles' own seconds, added up (what one process would take)
-    launcher_seconds: float = 0.0  # of which building C launchers (a C compile per new signature)
+    launcher_seconds: float = 0.0  # of which waiting for C launchers (a C compile per new signature)
     slowest: tuple = ()  # (kernel, seconds) of the longest compile: the least a batch can take
     note: str = ""  # why the pool was not used, where it was meant to be
 
@@ -211,6 +212,23 @@ def _ptxas(target: tuple) -> tuple[str, str]:
     from triton.backends.nvidia import compiler as nvidia
 
     return nvidia.get_ptxas_version(target[1]), nvidia.get_ptxas(target[1]).path
+
+
+def _triton_key() -> tuple:
+    """Triton's hash of its own files, which every cache key starts with, and where those
+    files are. Triton computes it once a process, hashing its 415 MB library: 0.35 s of
+    this process's first precompile (``prestart`` begins it on a thread, to be done by
+    then), and as much of each worker's first compile, which with a kernel a worker was
+    the slowest kernel's too: a worker that loads Triton from the same place takes it
+    from the job."""
+    import triton
+    from triton.runtime.cache import triton_key
+
+    with _key_lock:  # one hash, whichever thread asks first
+        return (os.path.dirname(triton.__file__), triton_key())
+
+
+_key_lock = threading.Lock()
 
 
 def is_cached(job: Job) -> bool:
@@ -364,9 +382,11 @@ def pool() -> CompilePool:
 
 
 def prestart() -> None:
-    """Starts the pool's workers now, so that they are ready when the kernels are."""
+    """Starts the pool's workers now, so that they are ready when the kernels are, and
+    hashes Triton's files (``_triton_key``) on a thread meanwhile: the hash releases the GIL."""
     if worker_count() >= 2:
         pool().start()
+        threading.Thread(target=_triton_key, daemon=True, name="eqfuse-triton-key").start()
 
 
 def shutdown() -> None:
@@ -389,6 +409,7 @@ def precompile(launches, target: tuple | None = None) -> Outcome:
     try:
         target = target or current_target()
         backend = _backend(target)
+        key = _triton_key()  # the specialisations' hashes begin with it
         jobs, fns = {}, {}
         for launcher, args in launches:
             job = specialisation(launcher, args, target, backend)
@@ -409,6 +430,7 @@ def precompile(launches, target: tuple | None = None) -> Outcome:
             return out
         for job in todo:
             job.ptxas_version, job.ptxas_path = ptxas
+            job.triton_key = key
     out.cached = out.kernels - len(todo)
     if len(todo) >= 1:
         _compile_in_pool(todo, out, lambda job, reply: _key_difference(job, fns[job.hash], backend, reply))
