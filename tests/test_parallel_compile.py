@@ -108,6 +108,15 @@ from triton import knobs
 from eqfuse.runtime import parallel_compile as pc
 
 TARGET = ("cuda", 90, 32)
+
+# Triton's own key, computed by a child process (prestart starts it) and taken here: the
+# same value this process's Triton computes.
+from triton.runtime import cache
+own = cache.triton_key
+pc._hash_triton_ahead()
+where, key = pc._triton_key()
+taken = cache.triton_key is not own and where in own.__wrapped__.__code__.co_filename
+out = {"triton_key_from_the_child": taken and key == own()}
 spec = importlib.util.spec_from_file_location("generated", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
@@ -115,7 +124,6 @@ launcher = next(v for k, v in vars(module).items() if k.endswith("_launch"))
 n = len(launcher.fn.arg_names) - len(launcher.constexprs)
 aligned = [pc.Pointer(torch.float16)] * n
 shifted = [pc.Pointer(torch.float16, aligned=False)] + aligned[1:]
-out = {}
 out["first"] = pc.precompile([(launcher, aligned)], TARGET).as_dict()
 out["again"] = pc.precompile([(launcher, aligned), (launcher, aligned)], TARGET).as_dict()
 out["shifted"] = pc.precompile([(launcher, shifted)], TARGET).as_dict()
@@ -279,6 +287,10 @@ def test_workers_key_by_the_ptxas_version_the_jit_read_first(child_run):
 def test_workers_run_the_ptxas_the_jit_would_run(child_run):
     # the workers were started before TRITON_PTXAS_PATH named the stand-in
     assert child_run["standin_runs_while_running"] >= 1
+
+
+def test_tritons_own_key_is_computed_by_a_child_process(child_run):
+    assert child_run["triton_key_from_the_child"] is True
 
 
 def test_workers_take_tritons_own_key_from_the_job(child_run):

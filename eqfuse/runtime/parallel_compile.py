@@ -31,6 +31,7 @@ CPU (the interpreter compiles nothing), with ``parallel_compile=False`` or
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import os
 import pickle
@@ -214,21 +215,55 @@ def _ptxas(target: tuple) -> tuple[str, str]:
     return nvidia.get_ptxas_version(target[1]), nvidia.get_ptxas(target[1]).path
 
 
-def _triton_key() -> tuple:
-    """Triton's hash of its own files, which every cache key starts with, and where those
-    files are. Triton computes it once a process, hashing its 415 MB library: 0.35 s of
-    this process's first precompile (``prestart`` begins it on a thread, to be done by
-    then), and as much of each worker's first compile, which with a kernel a worker was
-    the slowest kernel's too: a worker that loads Triton from the same place takes it
-    from the job."""
-    import triton
-    from triton.runtime.cache import triton_key
+# --- Triton's own key ------------------------------------------------------------------------
+#
+# Every kernel's cache key begins with Triton's hash of its own files (``triton_key``),
+# which a process computes once, hashing the 415 MB library: 0.35 s. This process needs
+# it for the jobs' keys; each worker would need it at its first compile, and with one
+# kernel a worker, that was the slowest kernel's time too. On a thread of this process
+# it took 2-6 s: each 1 MB chunk waited for the GIL while the main thread built the graph.
+# So a child process computes it from ``prestart`` on, beside the build; this process takes
+# its answer where the child loaded Triton from the same place, and sends it with each job.
 
-    with _key_lock:  # one hash, whichever thread asks first
-        return (os.path.dirname(triton.__file__), triton_key())
-
-
+_KEY_SCRIPT = ("import os, sys, triton; from triton.runtime.cache import triton_key; "
+               "sys.stdout.write(os.path.dirname(triton.__file__) + '\\n' + triton_key())")
+_key_child: subprocess.Popen | None = None
 _key_lock = threading.Lock()
+
+
+def _hash_triton_ahead() -> None:
+    """Starts the child that computes Triton's key, unless this process has it."""
+    global _key_child
+    from triton.runtime import cache
+
+    with _key_lock:
+        if _key_child is None and not cache.triton_key.cache_info().currsize:
+            try:
+                _key_child = subprocess.Popen([sys.executable, "-c", _KEY_SCRIPT], stdout=subprocess.PIPE,
+                                              stderr=subprocess.DEVNULL, text=True)
+            except OSError:
+                pass  # computed here when asked
+
+
+def _triton_key() -> tuple:
+    """(where Triton's files are, Triton's key), from the child where it has it."""
+    global _key_child
+    import triton
+    from triton.runtime import cache
+
+    where = os.path.dirname(triton.__file__)
+    with _key_lock:
+        child, _key_child = _key_child, None
+        if child is not None and not cache.triton_key.cache_info().currsize:
+            try:
+                out, _ = child.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                out = ""
+            child_where, _, key = out.partition("\n")
+            if child.returncode == 0 and child_where == where and key:
+                cache.triton_key = functools.lru_cache(lambda: key)  # what its own would return
+        return where, cache.triton_key()
 
 
 def is_cached(job: Job) -> bool:
@@ -382,11 +417,11 @@ def pool() -> CompilePool:
 
 
 def prestart() -> None:
-    """Starts the pool's workers now, so that they are ready when the kernels are, and
-    hashes Triton's files (``_triton_key``) on a thread meanwhile: the hash releases the GIL."""
+    """Starts the pool's workers now, so that they are ready when the kernels are, and the
+    child that computes Triton's key (see _triton_key)."""
     if worker_count() >= 2:
         pool().start()
-        threading.Thread(target=_triton_key, daemon=True, name="eqfuse-triton-key").start()
+        _hash_triton_ahead()
 
 
 def shutdown() -> None:
