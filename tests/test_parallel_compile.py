@@ -324,6 +324,33 @@ def test_a_pool_that_cannot_start_leaves_kernels_to_the_first_launch(child_run):
     assert "no compiler here" in child_run["broken"]["note"]  # the worker's last words
 
 
+def test_pending_makes_its_jobs_in_the_callers_thread(monkeypatch):
+    """Made on the Pending thread beside validation, each kernel's specialisation waited for
+    the GIL; made first by the caller, the jobs go out before the caller goes on."""
+    import threading
+
+    class Launch:
+        def resolve(self, args):
+            return self, args
+
+        fn = None
+
+    made_on = []
+
+    def specialisation(launcher, args, target, backend):
+        made_on.append(threading.current_thread() is threading.main_thread())
+        return pc.Job("module.py", "k", {}, {}, {}, {}, target, {}, "", hash=str(len(made_on)))
+
+    monkeypatch.setattr(pc, "current_target", lambda: ("cuda", 90, 32))
+    monkeypatch.setattr(pc, "_backend", lambda target: None)
+    monkeypatch.setattr(pc, "_triton_key", lambda: ("", "key"))
+    monkeypatch.setattr(pc, "specialisation", specialisation)
+    monkeypatch.setattr(pc, "is_cached", lambda job: True)  # nothing to send
+    out = pc.Pending([(Launch(), []), (Launch(), [])]).wait()
+    assert made_on == [True, True]
+    assert (out.kernels, out.cached, out.compiled) == (2, 2, 0)
+
+
 def test_autotune_store_keeps_a_configs_key_order(tmp_path, monkeypatch):
     """A kernel's constexpr parameters come in its config's order: a config read back in
     another order makes another source, which a later process compiles again."""

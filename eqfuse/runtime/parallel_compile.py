@@ -113,6 +113,8 @@ class Outcome:
     compiled: int = 0  # compiled by the pool
     workers: int = 0
     seconds: float = 0.0
+    prepare_seconds: float = 0.0  # of which making the jobs, before the first is sent
+    slowest_reply: float = 0.0  # the longest a job took from being sent to its reply
     failed: list = field(default_factory=list)  # "kernel: why": left to compile at first launch
     worker_seconds: float = 0.0  # the compiles' own seconds, added up (what one process would take)
     launcher_seconds: float = 0.0  # of which waiting for C launchers (a C compile per new signature)
@@ -123,6 +125,8 @@ class Outcome:
         d = {"kernels": self.kernels, "cached": self.cached, "compiled_in_pool": self.compiled,
              "workers": self.workers, "seconds": round(self.seconds, 4)}
         if self.compiled:
+            d["prepare_seconds"] = round(self.prepare_seconds, 3)
+            d["slowest_reply_seconds"] = round(self.slowest_reply, 2)
             d["worker_seconds"] = round(self.worker_seconds, 2)
             d["launcher_seconds"] = round(self.launcher_seconds, 2)
             d["slowest"] = f"{self.slowest[0]} {self.slowest[1]:.2f} s"
@@ -379,7 +383,9 @@ class CompilePool:
                             return
                         i = queue.pop(0)
                     try:
+                        sent = time.perf_counter()
                         replies[i] = worker.compile(jobs[i], self.timeout)
+                        replies[i]["reply_seconds"] = time.perf_counter() - sent
                     except OSError as e:
                         replies[i] = {"error": str(e)}
                         self.broken = str(e)  # a dead worker: the next graphs compile serially
@@ -439,8 +445,31 @@ def precompile(launches, target: tuple | None = None) -> Outcome:
     """Compiles, in the pool, every kernel ``launcher(*args)`` would compile at its first
     launch, for each ``(launcher, args)`` of ``launches``; ``args`` are tensors or
     ``Pointer``. Never raises: what it cannot do, the JIT does at the first launch."""
-    start = time.perf_counter()
-    out = Outcome()
+    return _prepare(launches, target).compile()
+
+
+@dataclass
+class _Batch:
+    """The kernels of one precompile, their jobs made, to be sent to the pool."""
+    out: Outcome
+    start: float
+    todo: list = field(default_factory=list)
+    explain: object = None  # (job, reply) -> which parts of the key differ
+
+    def compile(self) -> Outcome:
+        if self.todo:
+            _compile_in_pool(self.todo, self.out, self.explain)
+        self.out.seconds = time.perf_counter() - self.start
+        return self.out
+
+
+def _prepare(launches, target: tuple | None = None) -> _Batch:
+    """The jobs for the kernels of ``launches`` that Triton's cache does not hold (the work
+    of this process, with the GIL: ``Pending`` does it before its thread starts, as a thread
+    beside the build took 2-3x as long). A batch with nothing to do and a note where the
+    specialisations or ptxas cannot be read."""
+    batch = _Batch(Outcome(), time.perf_counter())
+    out = batch.out
     try:
         target = target or current_target()
         backend = _backend(target)
@@ -452,42 +481,43 @@ def precompile(launches, target: tuple | None = None) -> Outcome:
             fns.setdefault(job.hash, launcher.resolve(args)[0].fn)
     except Exception as e:  # noqa: BLE001 - a Triton that binds arguments otherwise: compile serially
         out.note = f"kernels compile at first launch: could not read their specialisation ({_one_line(e)})"
-        out.seconds = time.perf_counter() - start
-        return out
+        return batch
     out.kernels = len(jobs)
     todo = [j for j in jobs.values() if not is_cached(j)]
+    out.cached = out.kernels - len(todo)
     if todo:
         try:
             ptxas = _ptxas(target)
         except Exception as e:  # noqa: BLE001 - no ptxas to be found: the JIT would fail alike
             out.note = f"kernels compile at first launch: could not find ptxas ({_one_line(e)})"
-            out.seconds = time.perf_counter() - start
-            return out
+            return batch
         for job in todo:
             job.ptxas_version, job.ptxas_path = ptxas
             job.triton_key = key
-    out.cached = out.kernels - len(todo)
-    if len(todo) >= 1:
-        _compile_in_pool(todo, out, lambda job, reply: _key_difference(job, fns[job.hash], backend, reply))
-    out.seconds = time.perf_counter() - start
-    return out
+    batch.todo = todo
+    batch.explain = lambda job, reply: _key_difference(job, fns[job.hash], backend, reply)
+    out.prepare_seconds = time.perf_counter() - batch.start
+    return batch
 
 
 class Pending:
-    """``precompile(launches)`` running on a thread of its own, which mostly waits on the
-    workers' pipes: the caller goes on (validating the plan, building a training step's
-    backward) while the kernels compile. ``wait()`` gives the Outcome."""
+    """``precompile(launches)``, its jobs made here and sent from a thread of its own, which
+    mostly waits on the workers' pipes: the caller goes on (validating the plan, building a
+    training step's backward) while the kernels compile. ``wait()`` gives the Outcome."""
 
     def __init__(self, launches):
         self._outcome: Outcome | None = None
-        self._thread = threading.Thread(target=self._run, args=(list(launches),), daemon=True,
-                                        name="eqfuse-precompile")
+        try:
+            batch = _prepare(list(launches))
+        except Exception as e:  # noqa: BLE001 - _prepare should not raise; if it does, the JIT compiles
+            batch = _Batch(Outcome(note=f"kernels compile at first launch: {_one_line(e)}"), time.perf_counter())
+        self._thread = threading.Thread(target=self._run, args=(batch,), daemon=True, name="eqfuse-precompile")
         self._thread.start()
 
-    def _run(self, launches):
+    def _run(self, batch: _Batch):
         try:
-            self._outcome = precompile(launches)
-        except Exception as e:  # noqa: BLE001 - precompile should not raise; if it does, the JIT compiles
+            self._outcome = batch.compile()
+        except Exception as e:  # noqa: BLE001 - compile should not raise; if it does, the JIT compiles
             self._outcome = Outcome(note=f"kernels compile at first launch: {_one_line(e)}")
 
     def wait(self) -> Outcome:
@@ -514,6 +544,7 @@ def _compile_in_pool(todo: list[Job], out: Outcome, explain) -> None:
             out.compiled += 1
             out.worker_seconds += reply["seconds"]
             out.launcher_seconds += reply.get("launcher_seconds", 0.0)
+            out.slowest_reply = max(out.slowest_reply, reply.get("reply_seconds", 0.0))
             if not out.slowest or reply["seconds"] > out.slowest[1]:
                 out.slowest = (job.name, reply["seconds"])
     if p.broken:
