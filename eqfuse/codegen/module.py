@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 from ..schema import ops
 from ..schema.plan import FallbackStep, KernelSpec, Plan, contiguous_strides, last_uses, returned_buffers, step_reads
 from . import kernel as kgen
-from . import mathlib
 from .kmajor import kmajor_operands
 from .split import split_reductions
 from .splitk import split_matmuls
@@ -123,8 +122,6 @@ def assemble(title: str, version: str, infos: list, launcher_line, args: list, b
     class ``launcher``), then ``call`` and ``call_boxed`` running ``body`` and returning
     ``rets``."""
     parts = [HEADER.format(version=version, title=title, launcher=launcher)]
-    for helper in mathlib.used_by(k.source for info in infos for k in (info, info.fallback) if k is not None):
-        parts += [helper, ""]
     for info in infos:
         for k in ((info.fallback, info) if info.fallback is not None else (info,)):
             parts.append(k.source)

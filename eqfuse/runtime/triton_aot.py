@@ -56,10 +56,8 @@ import triton.language as tl
 
 def kernels_module(kernel_sources: list[str]) -> str:
     """A module of the kernels alone, to compile from: the generated module also holds the
-    launcher, which imports eqfuse's runtime; the stages' line numbers refer to this one.
-    The helpers the kernels call (codegen/mathlib.py) come first."""
-    from ..codegen import mathlib
-    return KERNELS_HEADER + "\n\n".join([*mathlib.used_by(kernel_sources), *kernel_sources])
+    launcher, which imports eqfuse's runtime; the stages' line numbers refer to this one."""
+    return KERNELS_HEADER + "\n\n".join(kernel_sources)
 
 
 def parse_arch(arch) -> int:

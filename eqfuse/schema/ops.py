@@ -36,7 +36,7 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("sigmoid", torch.sigmoid, "tl.sigmoid({a})", 3),
     OpDef("relu", torch.relu, "tl.maximum({a}, 0)", 0.5),
     OpDef("abs", torch.abs, "tl.abs({a})", 0.5),
-    OpDef("erf", torch.erf, "eqfuse_erf({a})", 3),  # codegen/mathlib.py
+    OpDef("erf", torch.erf, "tl.erf({a})", 3),
     OpDef("sin", torch.sin, "tl.sin({a})", 3),
     OpDef("cos", torch.cos, "tl.cos({a})", 3),
     OpDef("floor", torch.floor, "tl.floor({a})", 0.5),
