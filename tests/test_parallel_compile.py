@@ -113,7 +113,7 @@ TARGET = ("cuda", 90, 32)
 # same value this process's Triton computes.
 from triton.runtime import cache
 own = cache.triton_key
-pc._hash_triton_ahead()
+pc.hash_triton_ahead()
 where, key = pc._triton_key()
 taken = cache.triton_key is not own and where in own.__wrapped__.__code__.co_filename
 out = {"triton_key_from_the_child": taken and key == own()}
@@ -322,6 +322,22 @@ def test_a_pool_that_cannot_start_leaves_kernels_to_the_first_launch(child_run):
         assert out["compiled_in_pool"] == 0 and out["cached"] == 0, out
         assert out["note"].startswith("compile pool failed, kernels compile serially at first launch"), out
     assert "no compiler here" in child_run["broken"]["note"]  # the worker's last words
+
+
+def test_the_backend_starts_tritons_key_for_a_graph_on_the_gpu(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from eqfuse import backend
+    started = []
+    monkeypatch.setattr(pc, "hash_triton_ahead", lambda: started.append(True))
+    monkeypatch.delenv(pc.ENV_SWITCH, raising=False)
+    with FakeTensorMode():
+        on_gpu = [torch.empty(2, device="cuda")]
+    backend._hash_triton_ahead([torch.ones(2)], {})  # the CPU: no pool
+    backend._hash_triton_ahead(on_gpu, {"parallel_compile": False})
+    assert started == []
+    backend._hash_triton_ahead(on_gpu, {})
+    assert started == [True]
 
 
 def test_pending_makes_its_jobs_in_the_callers_thread(monkeypatch):

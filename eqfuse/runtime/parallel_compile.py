@@ -226,8 +226,9 @@ def _ptxas(target: tuple) -> tuple[str, str]:
 # it for the jobs' keys; each worker would need it at its first compile, and with one
 # kernel a worker, that was the slowest kernel's time too. On a thread of this process
 # it took 2-6 s: each 1 MB chunk waited for the GIL while the main thread built the graph.
-# So a child process computes it from ``prestart`` on, beside the build; this process takes
-# its answer where the child loaded Triton from the same place, and sends it with each job.
+# So a child process computes it beside the build, from the dynamo backend's first call
+# (before AOTAutograd traces) or ``prestart``; this process takes its answer where the
+# child loaded Triton from the same place, and sends it with each job.
 
 _KEY_SCRIPT = ("import os, sys, triton; from triton.runtime.cache import triton_key; "
                "sys.stdout.write(os.path.dirname(triton.__file__) + '\\n' + triton_key())")
@@ -235,9 +236,12 @@ _key_child: subprocess.Popen | None = None
 _key_lock = threading.Lock()
 
 
-def _hash_triton_ahead() -> None:
-    """Starts the child that computes Triton's key, unless this process has it."""
+def hash_triton_ahead() -> None:
+    """Starts the child that computes Triton's key, unless this process has it or there is
+    no pool (one CPU: the child would take this process's)."""
     global _key_child
+    if worker_count() < 2:
+        return
     from triton.runtime import cache
 
     with _key_lock:
@@ -427,7 +431,7 @@ def prestart() -> None:
     child that computes Triton's key (see _triton_key)."""
     if worker_count() >= 2:
         pool().start()
-        _hash_triton_ahead()
+        hash_triton_ahead()
 
 
 def shutdown() -> None:
