@@ -191,7 +191,7 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     options = dict(options or {})
-    _hash_triton_ahead(example_inputs, options)
+    _ready_triton_ahead(example_inputs, options)
     ahead = options.pop("backward_ahead", True) and hasattr(functorch_config, "force_non_lazy_backward_lowering")
     # Recomputing is not the default: on an H100 (benchmarks/models.py, fp16, training
     # step) it took the Llama layer from 44.1 to 49.5 ms for 0.7 GB less at the peak
@@ -219,15 +219,16 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         return backend(gm, example_inputs)
 
 
-def _hash_triton_ahead(example_inputs, options: dict) -> None:
-    """Where kernels will compile in the pool, Triton's key (parallel_compile) is computed
-    from now on, while AOTAutograd traces: started at the build, a BERT layer's first
-    kernels waited 0.3-0.6 s for it on an H200 host."""
+def _ready_triton_ahead(example_inputs, options: dict) -> None:
+    """Where kernels will compile in the pool, what Triton does once a process (its key,
+    its driver's C module: parallel_compile.ready_triton_ahead) starts now, while
+    AOTAutograd traces: started at the build, a BERT layer's first kernels waited 0.3-0.6 s
+    for the key on an H200 host."""
     from .runtime import parallel_compile
 
     on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     if on_gpu and parallel_compile.enabled(options.get("parallel_compile", True)):
-        parallel_compile.hash_triton_ahead()
+        parallel_compile.ready_triton_ahead()
 
 
 backend = eqfuse_backend

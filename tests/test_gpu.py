@@ -1,5 +1,9 @@
 """The examples on a CUDA GPU at realistic widths (skipped without CUDA)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import assert_matches
@@ -140,6 +144,18 @@ def test_without_the_pool_kernels_compile_at_their_first_launch(fresh_caches, ji
     assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
     assert sorted(jit_compiles) == sorted(k.name for k in compiled.kernels)
     assert "compile" not in compiled.report
+
+
+def test_the_driver_module_is_built_ahead_into_the_cache(tmp_path):
+    """parallel_compile.ready_triton_ahead: a child builds Triton's CUDA driver module into
+    this process's cache (in a fresh process: the test's own has made its driver)."""
+    script = ("import sys, glob; from triton import knobs; knobs.cache.dir = sys.argv[1]; "
+              "from eqfuse.runtime import parallel_compile as pc; pc.ready_triton_ahead(); "
+              "print(pc._driver_child.wait(120), len(glob.glob(sys.argv[1] + '/*/cuda_utils*')))")
+    env = dict(os.environ, EQFUSE_COMPILE_WORKERS="2")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.stdout.split() == ["0", "1"], out.stderr[-2000:]
 
 
 def test_pool_keys_as_the_jit_after_the_ptxas_path_changed(fresh_caches, jit_compiles, monkeypatch, tmp_path):

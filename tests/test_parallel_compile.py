@@ -113,10 +113,14 @@ TARGET = ("cuda", 90, 32)
 # same value this process's Triton computes.
 from triton.runtime import cache
 own = cache.triton_key
-pc.hash_triton_ahead()
+pc.ready_triton_ahead()
 where, key = pc._triton_key()
 taken = cache.triton_key is not own and where in own.__wrapped__.__code__.co_filename
 out = {"triton_key_from_the_child": taken and key == own()}
+# and another child builds the driver's C module into this process's Triton cache (here,
+# without libcuda, it fails quietly; tests/test_gpu.py checks the module it builds)
+out["driver_child_cache"] = pc._driver_child.args[-1] == knobs.cache.dir
+out["driver_child_ends"] = pc._driver_child.wait(60) is not None
 spec = importlib.util.spec_from_file_location("generated", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
@@ -291,6 +295,7 @@ def test_workers_run_the_ptxas_the_jit_would_run(child_run):
 
 def test_tritons_own_key_is_computed_by_a_child_process(child_run):
     assert child_run["triton_key_from_the_child"] is True
+    assert child_run["driver_child_cache"] is True and child_run["driver_child_ends"] is True
 
 
 def test_workers_take_tritons_own_key_from_the_job(child_run):
@@ -329,14 +334,14 @@ def test_the_backend_starts_tritons_key_for_a_graph_on_the_gpu(monkeypatch):
 
     from eqfuse import backend
     started = []
-    monkeypatch.setattr(pc, "hash_triton_ahead", lambda: started.append(True))
+    monkeypatch.setattr(pc, "ready_triton_ahead", lambda: started.append(True))
     monkeypatch.delenv(pc.ENV_SWITCH, raising=False)
     with FakeTensorMode():
         on_gpu = [torch.empty(2, device="cuda")]
-    backend._hash_triton_ahead([torch.ones(2)], {})  # the CPU: no pool
-    backend._hash_triton_ahead(on_gpu, {"parallel_compile": False})
+    backend._ready_triton_ahead([torch.ones(2)], {})  # the CPU: no pool
+    backend._ready_triton_ahead(on_gpu, {"parallel_compile": False})
     assert started == []
-    backend._hash_triton_ahead(on_gpu, {})
+    backend._ready_triton_ahead(on_gpu, {})
     assert started == [True]
 
 

@@ -219,7 +219,7 @@ def _ptxas(target: tuple) -> tuple[str, str]:
     return nvidia.get_ptxas_version(target[1]), nvidia.get_ptxas(target[1]).path
 
 
-# --- Triton's own key ------------------------------------------------------------------------
+# --- what Triton does once a process, done ahead -----------------------------------------
 #
 # Every kernel's cache key begins with Triton's hash of its own files (``triton_key``),
 # which a process computes once, hashing the 415 MB library: 0.35 s. This process needs
@@ -229,28 +229,45 @@ def _ptxas(target: tuple) -> tuple[str, str]:
 # So a child process computes it beside the build, from the dynamo backend's first call
 # (before AOTAutograd traces) or ``prestart``; this process takes its answer where the
 # child loaded Triton from the same place, and sends it with each job.
+# Likewise Triton's CUDA driver builds its C module (a C compile, into Triton's cache) at
+# its first use in a process, here the jobs' target: another child builds it beforehand.
 
 _KEY_SCRIPT = ("import os, sys, triton; from triton.runtime.cache import triton_key; "
                "sys.stdout.write(os.path.dirname(triton.__file__) + '\\n' + triton_key())")
+_DRIVER_SCRIPT = ("import sys; from triton import knobs; knobs.cache.dir = sys.argv[1]; "
+                  "from triton.backends.nvidia.driver import CudaUtils; CudaUtils()")
 _key_child: subprocess.Popen | None = None
+_driver_child: subprocess.Popen | None = None
 _key_lock = threading.Lock()
 
 
-def hash_triton_ahead() -> None:
-    """Starts the child that computes Triton's key, unless this process has it or there is
-    no pool (one CPU: the child would take this process's)."""
-    global _key_child
+def ready_triton_ahead() -> None:
+    """Starts the children that compute Triton's key and build its CUDA driver's C module,
+    each unless this process has it, and neither without a pool (one CPU: a child would
+    take this process's)."""
+    global _key_child, _driver_child
     if worker_count() < 2:
         return
+    from triton import knobs
     from triton.runtime import cache
+
+    def child(*args, **kwargs):
+        try:
+            return subprocess.Popen([sys.executable, "-c", *args], stderr=subprocess.DEVNULL, **kwargs)
+        except OSError:
+            return None  # done here when needed
 
     with _key_lock:
         if _key_child is None and not cache.triton_key.cache_info().currsize:
-            try:
-                _key_child = subprocess.Popen([sys.executable, "-c", _KEY_SCRIPT], stdout=subprocess.PIPE,
-                                              stderr=subprocess.DEVNULL, text=True)
-            except OSError:
-                pass  # computed here when asked
+            _key_child = child(_KEY_SCRIPT, stdout=subprocess.PIPE, text=True)
+        if _driver_child is None and not _driver_loaded():
+            _driver_child = child(_DRIVER_SCRIPT, knobs.cache.dir, stdout=subprocess.DEVNULL)
+
+
+def _driver_loaded() -> bool:
+    """Whether this process's Triton has made its driver (and so built its C module)."""
+    from triton.runtime.driver import driver
+    return getattr(driver, "_default", True) is not None  # a Triton without the attribute: skip
 
 
 def _triton_key() -> tuple:
@@ -431,7 +448,7 @@ def prestart() -> None:
     child that computes Triton's key (see _triton_key)."""
     if worker_count() >= 2:
         pool().start()
-        hash_triton_ahead()
+        ready_triton_ahead()
 
 
 def shutdown() -> None:
