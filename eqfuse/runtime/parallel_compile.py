@@ -20,7 +20,9 @@ parts, and the report names those that differ.
 
 The pool starts once per process, when the first CUDA graph is built (its workers import
 Triton, not torch, while the graph is captured), with one worker per CPU (at most 32;
-``EQFUSE_COMPILE_WORKERS`` sets the number), and stops at exit. Kernels already
+``EQFUSE_COMPILE_WORKERS`` sets the number), and stops at exit. What Triton does once a
+process (hashing its own files for the key, building its driver's C module) is done by
+child processes beside the build (``ready_triton_ahead``). Kernels already
 in Triton's cache are not sent. Whatever goes wrong (a worker that does not start or
 dies, a Triton that packs arguments otherwise) leaves the kernels to the JIT, compiled at
 their first launch as before, with a one-line note in the graph's report. Off on the
@@ -444,8 +446,8 @@ def pool() -> CompilePool:
 
 
 def prestart() -> None:
-    """Starts the pool's workers now, so that they are ready when the kernels are, and the
-    child that computes Triton's key (see _triton_key)."""
+    """Starts the pool's workers now, so that they are ready when the kernels are, and what
+    ``ready_triton_ahead`` starts, where the backend has not already."""
     if worker_count() >= 2:
         pool().start()
         ready_triton_ahead()
@@ -485,10 +487,10 @@ class _Batch:
 
 
 def _prepare(launches, target: tuple | None = None) -> _Batch:
-    """The jobs for the kernels of ``launches`` that Triton's cache does not hold (the work
-    of this process, with the GIL: ``Pending`` does it before its thread starts, as a thread
-    beside the build took 2-3x as long). A batch with nothing to do and a note where the
-    specialisations or ptxas cannot be read."""
+    """The jobs for the kernels of ``launches`` that Triton's cache does not hold: Python
+    work of this process, which ``Pending`` does before its thread starts (on the thread,
+    beside validation, it waited for the GIL at every step). A batch with nothing to do and
+    a note where the specialisations or ptxas cannot be read."""
     batch = _Batch(Outcome(), time.perf_counter())
     out = batch.out
     try:
