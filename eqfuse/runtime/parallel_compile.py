@@ -255,7 +255,8 @@ def ready_triton_ahead() -> None:
 
     def child(*args, **kwargs):
         try:
-            return subprocess.Popen([sys.executable, "-c", *args], stderr=subprocess.DEVNULL, **kwargs)
+            return subprocess.Popen([sys.executable, "-c", *args], stdin=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, **kwargs)
         except OSError:
             return None  # done here when needed
 
