@@ -19,7 +19,10 @@ included).
 eqfuse compiles with autotune off (the tile model's first choice) to keep compile time
 bounded, unless ``--autotune``. ``EQFUSE_PARALLEL_COMPILE=0``
 compiles its kernels one after another at their first launch instead (recorded in the
-results file). Cold compile times count the imports a first compile makes: where eqfuse
+results file). Both contenders run in this process, torch.compile first for each block, so
+a block's cold compile finds the process warm from what ran before it;
+``benchmarks/compile_cold.py`` runs each contender alone in a fresh process. Cold
+compile times count the imports a first compile makes: where eqfuse
 and egglog were installed without bytecode (``pip install --no-compile``, as on the GPU
 machines this repository benchmarks on), run ``python -m compileall`` over them first, as
 a plain ``pip install`` would have (compiling their modules from source added 0.7 s).
