@@ -345,6 +345,24 @@ def test_the_backend_starts_tritons_key_for_a_graph_on_the_gpu(monkeypatch):
     assert started == [True]
 
 
+def test_a_key_child_that_fails_leaves_the_key_to_this_process(monkeypatch):
+    import functools
+
+    from triton.runtime import cache
+    computed = cache.triton_key.__wrapped__
+    fresh = functools.lru_cache(computed)  # this process has not computed it yet
+    monkeypatch.setattr(cache, "triton_key", fresh)
+    monkeypatch.setattr(pc, "_KEY_SCRIPT", "import sys; print('nonsense'); sys.exit(3)")
+    monkeypatch.setattr(pc, "_DRIVER_SCRIPT", "pass")
+    monkeypatch.setattr(pc, "_key_child", None)
+    monkeypatch.setattr(pc, "_driver_child", None)
+    monkeypatch.setenv(pc.ENV_WORKERS, "2")
+    pc.ready_triton_ahead()
+    assert pc._key_child is not None
+    where, key = pc._triton_key()
+    assert cache.triton_key is fresh and key == computed() and pc._key_child is None
+
+
 def test_pending_makes_its_jobs_in_the_callers_thread(monkeypatch):
     """Made on the Pending thread beside validation, each kernel's specialisation waited for
     the GIL; made first by the caller, the jobs go out before the caller goes on."""
