@@ -24,6 +24,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 import time
 import types
 
@@ -137,7 +138,6 @@ class _LauncherAhead:
     otherwise follows the kernel's. ``wait()``: what ``_build_launcher`` returns."""
 
     def __init__(self, src):
-        import threading
         self.problem = None
         self.thread = None
         if any("tensordesc" in str(ty) for ty in src.signature.values()):
