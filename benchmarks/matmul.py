@@ -66,11 +66,14 @@ def workloads(quick: bool):
     out.append(("SwiGLU MLP Llama-7B (4096 tok) fp16", swiglu_mlp,
                 [rand(t, h, dtype=f16), rand(h, i, dtype=f16), rand(h, i, dtype=f16), rand(i, h, dtype=f16)],
                 3 * 2 * t * h * i, None, False))
+    # int4 weights at three token counts: decoding (16), a short prompt (128), a long prompt
+    # (4096), where the weights' dequantisation is amortised over the most rows.
     int4 = MATMUL_EXAMPLES["int4_matmul"]
-    m, n, k = 4096 // s, 4096, 4096
-    packed = int4.make_inputs(m, n, k, f16, "cuda")
-    out.append(("int4-dequantised matmul 4096^3 fp16", int4.fn, [lambda x=x: x for x in packed], 2 * m * n * k,
-                None, False))
+    n = k = 4096
+    for m in (16, 128, 4096 // s):
+        packed = int4.make_inputs(m, n, k, f16, "cuda")
+        name = "int4-dequantised matmul 4096^3 fp16" if m == 4096 else f"int4-dequantised matmul {m}x4096x4096 fp16"
+        out.append((name, int4.fn, [lambda x=x: x for x in packed], 2 * m * n * k, None, False))
     return out
 
 

@@ -5,6 +5,8 @@ their sum and the kernel's epilogue.
 Small shapes split only where a test forces a chunk count (``FORCE_CHUNKS``); the model's
 own choice is checked on plan kernels built by hand at GPT-2's sizes, without running them."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,3 +186,42 @@ def test_plan_cache_key_holds_the_switch(monkeypatch):
     on = plan_cache._device_parts(torch.device("cpu"))
     monkeypatch.setenv(splitk.ENV, "0")
     assert plan_cache._device_parts(torch.device("cpu")) != on
+
+
+# --- int4 weights: an operand computed as it loads ----------------------------------------
+
+def _int4_plan(tokens: int):
+    from eqfuse.examples import MATMUL_EXAMPLES
+    ex = MATMUL_EXAMPLES["int4_matmul"]
+    return eqfuse.compile(ex.fn, ex.make_inputs(tokens, 4096, 4096, torch.float16, "cpu"), validate=False)
+
+
+def test_int4_weights_at_decoding_sizes_unpack_in_a_split_product(monkeypatch):
+    """16 tokens: the weights are unpacked as the product loads them (a quarter of the bytes
+    of a dequantised copy), K split so that SMs hold several programs, each with one stage
+    (its loads are computed in registers, not pipelined)."""
+    monkeypatch.delenv(splitk.ENV, raising=False)
+    compiled = _int4_plan(16)
+    first, second = compiled.kernels
+    assert first.name == second.name + splitk.STAGE1_SUFFIX
+    s1 = first.schedule
+    assert s1.gathered_sides == (1,) and s1.batch[0] >= 4
+    assert first.launch["num_stages"] == 1
+
+
+def test_int4_weights_at_prompt_sizes_are_dequantised_once():
+    """4096 tokens: unpacked in the product, each weight tile would be computed again for
+    every 128 rows; dequantised into its own buffer, once, before a plain product."""
+    compiled = _int4_plan(4096)
+    dequant, product = compiled.kernels
+    assert dequant.schedule.kind == "pointwise"
+    assert product.schedule.kind == "matmul" and product.schedule.gathered_sides == ()
+
+
+def test_computed_operands_take_one_stage_tiles():
+    spec, _ = _weight_grad_spec(768, 768)
+    sched = kgen.schedule_of(spec)
+    plain = splitk.tiles.candidates(sched)
+    computed = splitk.tiles.candidates(replace(sched, gathered=2, gathered_sides=(1,)))
+    assert any(c["num_stages"] > 1 for c in plain)
+    assert computed and all(c["num_stages"] == 1 for c in computed)

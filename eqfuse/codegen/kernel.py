@@ -87,6 +87,7 @@ class Schedule:
     tma: bool = False  # matmul: every operand can be read through a TMA descriptor (codegen/tma.py)
     tile_reads: int = 0  # matmul: loads after the K loop that vary along both M and N (a residual, a mask)
     gathered: int = 0  # matmul: operand loads beyond one per operand (a concatenation's parts, selected per element)
+    gathered_sides: tuple = ()  # matmul: the operands (0: A, 1: B) computed from several reads, in registers
 
     @property
     def sizes(self) -> dict:
@@ -168,7 +169,12 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
     return replace(sched, tma=all(operand_box(d.args[i], env, atoms) is not None
                                   for d in dots for i, env, atoms in _operand_sides(sched)),
                    tile_reads=_epilogue_tile_reads(spec, sched, dots),
-                   gathered=sum(max(0, sum(n.op == "load" for n in a.walk()) - 1) for d in dots for a in d.args))
+                   gathered=sum(max(0, _loads(a) - 1) for d in dots for a in d.args),
+                   gathered_sides=tuple(sorted({i for d in dots for i, a in enumerate(d.args) if _loads(a) > 1})))
+
+
+def _loads(operand: PNode) -> int:
+    return sum(n.op == "load" for n in operand.walk())
 
 
 def _epilogue_tile_reads(spec: KernelSpec, sched: Schedule, dots: list) -> int:

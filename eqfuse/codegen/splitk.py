@@ -50,6 +50,8 @@ only summed), integer products, kernels with a grid already full or a short K.
 
 from __future__ import annotations
 
+import math
+
 from ..errors import Unschedulable
 from ..rewrite.cost import device_model
 from ..runtime.cache import switched_on
@@ -64,6 +66,11 @@ from .split import STAGE1_SUFFIX, stage1_name
 MIN_K = 2048  # a shorter K: the single kernel's loop is too short for the partials to pay
 MIN_CHUNK = 512  # shortest chunk of K a stage-1 tile walks
 MAX_WAVES = 2  # stage-1 tiles aimed for: at most this many per SM (with the single kernel's tiles)
+# ... or this many where an operand is computed in registers (int4 weights): such programs wait
+# on their loads, and the more an SM holds, the more of the waits overlap (H100, int4 weights
+# [4096 x 4096] at 16 rows: 38 us unsplit, 16 with K in 8 chunks of 4 tiles an SM;
+# benchmarks/results/matmul-int4-sweep_*.json)
+MAX_WAVES_COMPUTED = 8
 FLOATS = ("float16", "bfloat16", "float32")
 FORCE_CHUNKS = 0  # tests: this many chunks for every matmul that may split, whatever the model says
 ENV = "EQFUSE_SPLIT_K"
@@ -135,15 +142,35 @@ def choose_chunks(spec: KernelSpec, dot: PNode, sched: kgen.Schedule) -> int:
     no slower than any split."""
     if FORCE_CHUNKS:
         return min(FORCE_CHUNKS, sched.k)
-    device = device_model()
-    most = min(sched.k // MIN_CHUNK, MAX_WAVES * tma.sm_count() // output_tiles(sched))
+    return _best_split(spec, dot, sched, device_model())[0]
+
+
+def modelled_us(spec: KernelSpec, sched: kgen.Schedule, device) -> float:
+    """The modelled time of the kernel's product as the code generator will run it: split
+    where it splits (both stages), else the single kernel's (the tile model's first
+    choice; infinite where no tile fits). For extraction's costs, which weigh plans before
+    any kernel is split."""
+    ranked = tiles.ranked(sched, device)
+    if not ranked:
+        return math.inf
+    single = tiles.modelled_time_us(sched, ranked[0], device)
+    dot = single_product(spec, sched) if enabled() and not FORCE_CHUNKS else None
+    return single if dot is None else _best_split(spec, dot, sched, device, single)[1]
+
+
+def _best_split(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, device, single: float | None = None) -> tuple:
+    """(chunks, modelled us): the count whose two stages are modelled fastest, or (0, the
+    single kernel's time) where none beats it."""
+    waves = MAX_WAVES_COMPUTED if sched.gathered_sides else MAX_WAVES
+    most = min(sched.k // MIN_CHUNK, waves * tma.sm_count() // output_tiles(sched))
     counts = [s for s in range(2, most + 1) if sched.k % s == 0]  # no padding (module docstring)
-    best, best_us = 0, tiles.modelled_time_us(sched, kgen.default_config(sched), device)
+    best = 0
+    best_us = single if single is not None else tiles.modelled_time_us(sched, kgen.default_config(sched), device)
     for chunks in counts:
         us = split_time_us(spec, dot, sched, chunks, device)
         if us < best_us:
             best, best_us = chunks, us
-    return best
+    return best, best_us
 
 
 def split_time_us(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, chunks: int, device) -> float:

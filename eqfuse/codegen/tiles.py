@@ -67,11 +67,16 @@ set them:
   round; its q/k/v product with a bias alone, 576 tiles in 5 rounds: 57.7, 11.5 a round),
   which favours two programs an SM; the model does not see it.
 
-An operand gathered from several reads (a concatenation fused into the product, each
-element selected from one of its parts) goes through registers: its loads are not
-pipelined, so a step takes the loads' time plus the products'. Measured on an H100
-(GPT-2's backward, the q/k/v gradients concatenated): [2304 x 8192] @ [8192 x 768] 143 us
-gathered, about 45 for cuBLAS over the stored concatenation.
+An operand computed from several reads (int4 weights unpacked and scaled as they load, a
+concatenation fused into the product, each element selected from one of its parts) goes
+through registers: its loads are not pipelined, so each K step waits for them, unless
+other programs on the SM take their turns meanwhile, and computes every element of the
+tile, once per output tile that needs it. Such kernels take one stage (GATHERED_TILES) and
+are split along K more readily (codegen/splitk.py), so that an SM holds several programs.
+Measured on an H100 (benchmarks/results/matmul-int4-sweep_*.json), int4 weights [4096 x
+4096] at 16 tokens: 38 us in one program per SM, 16 us with K in 8 chunks and four
+programs an SM; GPT-2's backward with the q/k/v gradients concatenated, [2304 x 8192] @
+[8192 x 768]: 143 us gathered, about 45 for cuBLAS over the stored concatenation.
 
 Batched products take the TMA form only where it pays, as measured on an H100: where the
 output tile's store takes longer than its K loop (attention scores, K = 128: 919 us
@@ -114,6 +119,25 @@ TILES = [
     (16, 64, 128, 4, 4),
     (16, 128, 128, 4, 3),
 ]
+# Tiles for a matmul whose operand is computed from several reads in registers (int4 weights
+# unpacked and scaled, a concatenation's parts): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), one
+# stage each. Those loads are not pipelined, so stages only take shared memory that would
+# hold other programs, whose turns cover each step's wait. The best of a sweep on an H100
+# (benchmarks/results/matmul-int4-sweep_*.json: int4 weights [4096 x 4096], 16 and 128 rows,
+# K split 1 to 16 ways), large to small.
+GATHERED_TILES = [
+    (128, 128, 64, 8),
+    (128, 64, 128, 4),
+    (128, 32, 128, 8),
+    (64, 128, 128, 8),
+    (64, 64, 256, 4),
+    (16, 256, 64, 4),
+    (16, 128, 256, 4),
+    (16, 128, 64, 2),
+    (16, 64, 256, 2),
+    (16, 32, 256, 2),
+    (16, 32, 128, 2),
+]
 GROUP_M = 8
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 SHARED_MEMORY = 220 * 1024  # bytes a program may stage (H100/H200: 227 KB per SM)
@@ -136,6 +160,12 @@ EPILOGUE_US_PER_ELEMENT = 1e-5  # per output element: the accumulator converted,
 READ_LATENCY_US = 0.85  # a tile read after the K loop (a residual): not pipelined
 POINTER_STORE = 1.45  # a store from registers (one program per tile) against the TMA form's bulk store
 CONTENTION = 1.2  # programs sharing an SM's tensor cores: each K loop this much longer
+# A K step of a computed operand (GATHERED_TILES' sweep, fitted to 28 of its configurations
+# within 20% rms): a program alone waits for the operand's loads, then computes each element;
+# programs sharing an SM overlap each other's waits, down to the SM's rate of computing them.
+GATHER_WAIT_US = 0.4  # a step's wait for the computed operand's loads
+GATHER_US_PER_ELEMENT_ALONE = 1.5e-4  # an element's indices, loads and arithmetic, for a program alone
+GATHER_US_PER_ELEMENT = 1.2e-4  # the same at the SM's rate, programs sharing it
 TMA_SETUP_US = 3.0  # the TMA form: a program's descriptors, made on the device before its first tile
 TMA_TILE_US = 0.3  # the TMA form: each tile's turn of the persistent loop (indices, the store's wait)
 PRODUCTS_SIDE_BY_SIDE = 1.15  # a K step of two products sharing A (SwiGLU), against one of twice the tile
@@ -162,8 +192,9 @@ def candidates(sched, with_tma: bool | None = None, device: Device | None = None
         with_tma = sched.tma and sched.dots == 1 and tma.device_supports()
     device = device or device_model()
     item = ops.itemsize(sched.dot_dtype)
+    table = [(*tile, 1) for tile in GATHERED_TILES] if sched.gathered_sides else TILES
     out = []
-    for bm, bn, bk, warps, stages in TILES:
+    for bm, bn, bk, warps, stages in table:
         if item == 4:
             bk = max(MIN_BLOCK, bk // 2)  # the same staging bytes at twice the element size
         cfg = {"BLOCK_M": _clamp(bm, sched.m), "BLOCK_N": _clamp(bn, sched.n), "BLOCK_K": _clamp(bk, sched.k),
@@ -274,8 +305,14 @@ def _tile_us(sched, cfg: dict, device: Device, together: int, active: int,
     per_sm_memory = device.bandwidth_bytes_per_us / device.sms
     if sched.summed:  # a K loop per product, each step one product's
         flops, steps = flops // sched.dots, steps * sched.dots
-    if sched.gathered:  # selected element by element in registers: the loads are not pipelined
-        step = flops / per_sm_flops + moved / per_sm_feed + STEP_OVERHEAD_US
+    if sched.gathered_sides:
+        # Computed element by element in registers, its loads not pipelined (the constants'
+        # comment); what is staged is the other operand
+        computed = sum(bk * (bm if side == 0 else bn) for side in sched.gathered_sides)
+        staged = sum(bk * (bm if side == 0 else bn) for side in (0, 1) if side not in sched.gathered_sides) * item
+        wait = max((GATHER_WAIT_US + computed * GATHER_US_PER_ELEMENT_ALONE) / together,
+                   computed * GATHER_US_PER_ELEMENT)
+        step = flops / per_sm_flops + staged / per_sm_feed + wait
     else:
         # Little's law: the loads in flight over their latency bound the rate operands arrive at
         in_flight = max(1, cfg["num_stages"] - 1) * together * moved
@@ -314,7 +351,9 @@ def modelled_time_us(sched, cfg: dict, device: Device | None = None) -> float:
     store = tile.store * POINTER_STORE
     fixed = TILE_OVERHEAD_US + FILL_US + tile.epilogue
     if together > 1:  # one program's loads, epilogue and store overlap the others' loops, which share the SM
-        return per_sm * (max(tile.loop * CONTENTION, store) + fixed / together)
+        # (a computed operand's loop counts its sharing already)
+        contention = 1 if sched.gathered_sides else CONTENTION
+        return per_sm * (max(tile.loop * contention, store) + fixed / together)
     return per_sm * (tile.loop + store + fixed)
 
 

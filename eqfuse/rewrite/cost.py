@@ -206,9 +206,8 @@ def kernel_time_us(spec: KernelSpec, buffers: dict, device: Device | None = None
     memory = passes * kernel_bytes(spec, buffers) / device.bandwidth_bytes_per_us
     compute = kernel_compute(spec) / device.ops_per_us
     if sched is not None and sched.kind == "matmul":
-        from ..codegen import tiles
-        best = tiles.ranked(sched, device)
-        compute += tiles.modelled_time_us(sched, best[0], device) if best else math.inf
+        from ..codegen import splitk
+        compute += splitk.modelled_us(spec, sched, device)
     elif sched is not None and sched.kind == "attention":
         compute += attention_flops(sched) / device.tensor_flops_per_us(sched.dot_dtype) * attention_slowdown(sched)
     return device.launch_us + max(memory, compute)
