@@ -3,9 +3,10 @@
     python benchmarks/matmul_int4_sweep.py [--tokens 16 128] [--splits 1 2 4 8 16] [--out results.json]
 
 x [tokens, 4096] @ W [4096, 4096], W stored as int4 (8 per int32 along K, a scale and a
-zero point per 32 rows), compiled by eqfuse with K forced into each chunk count (1: not
-split) and the autotuner offered a wide grid of tiles (block sizes, warps, stages) instead
-of the tile model's finalists. Each trial is the autotuner's own timing of the product's
+zero point per 32 rows), compiled by eqfuse with the weights unpacked in the product (its
+extraction is kept from storing them dequantised, as it may choose to), K forced into each
+chunk count (1: not split) and the autotuner offered a wide grid of tiles (block sizes,
+warps, stages) instead of the tile model's finalists. Each trial is the autotuner's own timing of the product's
 kernel (stage 1 where split); each split's whole call is timed beside torch.compile's.
 The tile model's constants for computed operands (codegen/tiles.py: GATHERED_TILES,
 GATHER_*) and split-K's MAX_WAVES_COMPUTED were fitted to this sweep.
@@ -24,6 +25,7 @@ import eqfuse
 from eqfuse.codegen import kernel as kgen
 from eqfuse.codegen import splitk
 from eqfuse.examples import MATMUL_EXAMPLES
+from eqfuse.rewrite.extract import Extractor
 from eqfuse.runtime import autotune
 
 INT4 = MATMUL_EXAMPLES["int4_matmul"]
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name()
     print(device, flush=True)
     model_choice = kgen.tuning_candidates
+    Extractor._storable = lambda self, c: False  # one kernel: the weights unpacked as the product loads them
     rows = []
     for tokens in a.tokens:
         kgen.tuning_candidates = lambda sched, t=tokens: grid(t) if sched.kind == "matmul" else model_choice(sched)

@@ -154,8 +154,12 @@ def modelled_us(spec: KernelSpec, sched: kgen.Schedule, device) -> float:
     if not ranked:
         return math.inf
     single = tiles.modelled_time_us(sched, ranked[0], device)
-    dot = single_product(spec, sched) if enabled() and not FORCE_CHUNKS else None
-    return single if dot is None else _best_split(spec, dot, sched, device, single)[1]
+    dot = single_product(spec, sched) if enabled() else None
+    if dot is None:
+        return single
+    if FORCE_CHUNKS:
+        return split_time_us(spec, dot, sched, min(FORCE_CHUNKS, sched.k), device)
+    return _best_split(spec, dot, sched, device, single)[1]
 
 
 def _best_split(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, device, single: float | None = None) -> tuple:
