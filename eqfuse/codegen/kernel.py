@@ -166,15 +166,12 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
         raise Unschedulable(f"a batch of {math.prod(batch)} matmuls (the grid takes {MAX_GRID_Y})")
     sched = Schedule("matmul", batch=batch, m=shape[-2], n=shape[-1], k=k, dot_dtype=dtype, dots=len(dots),
                      summed=len(dots) > 1 and summed_products(spec) is not None)
+    loads = [(side, sum(n.op == "load" for n in a.walk())) for d in dots for side, a in enumerate(d.args)]
     return replace(sched, tma=all(operand_box(d.args[i], env, atoms) is not None
                                   for d in dots for i, env, atoms in _operand_sides(sched)),
                    tile_reads=_epilogue_tile_reads(spec, sched, dots),
-                   gathered=sum(max(0, _loads(a) - 1) for d in dots for a in d.args),
-                   gathered_sides=tuple(sorted({i for d in dots for i, a in enumerate(d.args) if _loads(a) > 1})))
-
-
-def _loads(operand: PNode) -> int:
-    return sum(n.op == "load" for n in operand.walk())
+                   gathered=sum(max(0, n - 1) for _, n in loads),
+                   gathered_sides=tuple(sorted({side for side, n in loads if n > 1})))
 
 
 def _epilogue_tile_reads(spec: KernelSpec, sched: Schedule, dots: list) -> int:

@@ -308,8 +308,9 @@ def _tile_us(sched, cfg: dict, device: Device, together: int, active: int,
     if sched.gathered_sides:
         # Computed element by element in registers, its loads not pipelined (the constants'
         # comment); what is staged is the other operand
-        computed = sum(bk * (bm if side == 0 else bn) for side in sched.gathered_sides)
-        staged = sum(bk * (bm if side == 0 else bn) for side in (0, 1) if side not in sched.gathered_sides) * item
+        rows = (bm, bn)  # of A's tile and B's, each BLOCK_K long
+        computed = bk * sum(rows[side] for side in sched.gathered_sides)
+        staged = bk * sum(rows[side] for side in (0, 1) if side not in sched.gathered_sides) * item
         wait = max((GATHER_WAIT_US + computed * GATHER_US_PER_ELEMENT_ALONE) / together,
                    computed * GATHER_US_PER_ELEMENT)
         step = flops / per_sm_flops + staged / per_sm_feed + wait
