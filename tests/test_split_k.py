@@ -196,12 +196,15 @@ def _int4_plan(tokens: int):
     return eqfuse.compile(ex.fn, ex.make_inputs(tokens, 4096, 4096, torch.float16, "cpu"), validate=False)
 
 
-def test_int4_weights_at_decoding_sizes_unpack_in_a_split_product(monkeypatch):
-    """16 tokens: the weights are unpacked as the product loads them (a quarter of the bytes
-    of a dequantised copy), K split so that SMs hold several programs, each with one stage
-    (its loads are computed in registers, not pipelined)."""
+@pytest.mark.parametrize("tokens", [16, 128])
+def test_int4_weights_at_decoding_sizes_unpack_in_a_split_product(monkeypatch, tokens):
+    """16 and 128 tokens: the weights are unpacked as the product loads them (a quarter of
+    the bytes of a dequantised copy), K split so that SMs hold several programs, each with
+    one stage (its loads are computed in registers, not pipelined). At 128 tokens this
+    needs the split's partials costed once (stage 1's store, then stage 2's read) and the
+    unpacking's work costed once (by the tile model, not again as pointwise work)."""
     monkeypatch.delenv(splitk.ENV, raising=False)
-    compiled = _int4_plan(16)
+    compiled = _int4_plan(tokens)
     first, second = compiled.kernels
     assert first.name == second.name + splitk.STAGE1_SUFFIX
     s1 = first.schedule

@@ -24,7 +24,9 @@ single kernel's does; the result differs from it only by the order of the additi
 ``MIN_CHUNK`` and stage 1 at most ``MAX_WAVES`` times the SMs in tiles (counted with the
 single kernel's tiles) is weighed as stage 1's modelled time (codegen/tiles.py) plus
 stage 2's (the partials written and read, the output written, at the memory bandwidth)
-plus a launch; the least wins where it beats the single kernel's modelled time. Counts
+plus a launch; the least wins where it is modelled at least ``MIN_GAIN`` faster than the
+single kernel (a split adds a kernel and a float32 buffer, and the model errs by about
+that much either way: below). Counts
 that do not divide K are not chosen: the padding turns the operands' plain reads into
 computed ones (a select and two conversions per element in the K loop, no TMA), which
 measured 2.1-2.7x slower than the single kernel (S = 3 at K = 8192 below). Forced
@@ -40,7 +42,7 @@ kernels by torch.profiler), ``a.t() @ b`` fp16 with 8192 tokens as K:
 * [3072 x 8192] @ [8192 x 768] (and its transpose): single kernel (72 tiles of 128 x 256,
   TMA) 80.4 us; S = 2 80.9 + 6.4, S = 4 69.1 + 12.4, S = 8 79.5 + 30.7, S = 3 (padded)
   221.9 + 8.6. No count gains: the partials' traffic eats what the idle SMs give. The
-  model splits none of them (S = 2 is modelled 1% slower than the single kernel).
+  model puts S = 4 0.3% under the single kernel, inside MIN_GAIN: none is split.
 
 Not split: batched products, several products in one kernel (SwiGLU's pair, or products
 only summed), integer products, kernels with a grid already full or a short K.
@@ -71,6 +73,7 @@ MAX_WAVES = 2  # stage-1 tiles aimed for: at most this many per SM (with the sin
 # [4096 x 4096] at 16 rows: 38 us unsplit, 16 with K in 8 chunks of 4 tiles an SM;
 # benchmarks/results/matmul-int4-sweep_*.json)
 MAX_WAVES_COMPUTED = 8
+MIN_GAIN = 0.05  # a split's modelled time must be at least this much under the single kernel's
 FLOATS = ("float16", "bfloat16", "float32")
 FORCE_CHUNKS = 0  # tests: this many chunks for every matmul that may split, whatever the model says
 ENV = "EQFUSE_SPLIT_K"
@@ -167,28 +170,28 @@ def modelled_us(spec: KernelSpec, sched: kgen.Schedule, device) -> float:
 
 def _best_split(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, device, single: float | None = None) -> tuple:
     """(chunks, modelled us): the count whose two stages are modelled fastest, or (0, the
-    single kernel's time) where none beats it."""
+    single kernel's time) where none beats it by MIN_GAIN."""
     waves = MAX_WAVES_COMPUTED if sched.gathered_sides else MAX_WAVES
     most = min(sched.k // MIN_CHUNK, waves * tma.sm_count() // output_tiles(sched))
     counts = [s for s in range(2, most + 1) if sched.k % s == 0]  # no padding (module docstring)
-    best = 0
-    best_us = single if single is not None else tiles.modelled_time_us(sched, kgen.default_config(sched), device)
+    single = single if single is not None else tiles.modelled_time_us(sched, kgen.default_config(sched), device)
+    best, best_us = 0, single * (1 - MIN_GAIN)
     for chunks in counts:
         us = split_time_us(spec, dot, sched, chunks, device)
         if us < best_us:
             best, best_us = chunks, us
-    return best, best_us
+    return (best, best_us) if best else (0, single)
 
 
 def split_time_us(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, chunks: int, device) -> float:
-    """Modelled time of the two stages: stage 1 by the tile model (its first choice), stage
-    2 as the bytes it moves (the float32 partials, written by stage 1 and read, and the
-    output written) at the memory bandwidth, and the second launch."""
+    """Modelled time of the two stages: stage 1 by the tile model (its first choice, which
+    times the partials' store), stage 2 as the bytes it moves (the float32 partials read,
+    the output written) at the memory bandwidth, and the second launch."""
     first = kgen.schedule_of(KernelSpec("stage1", [(_chunked_product(dot, chunks), "partials")]))
     stage1 = tiles.modelled_time_us(first, kgen.default_config(first), device)
     partial_bytes = chunks * sched.m * sched.n * 4
     out_bytes = sum(root.numel * ops.itemsize(root.dtype) for root, _ in spec.roots)
-    return stage1 + (2 * partial_bytes + out_bytes) / device.bandwidth_bytes_per_us + device.launch_us
+    return stage1 + (partial_bytes + out_bytes) / device.bandwidth_bytes_per_us + device.launch_us
 
 
 def build_stages(spec: KernelSpec, dot: PNode, chunks: int, buffers: dict) -> tuple:

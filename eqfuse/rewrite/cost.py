@@ -137,11 +137,12 @@ def attention_slowdown(sched) -> float:
     return 1.0
 
 
-def kernel_compute(spec: KernelSpec) -> float:
+def kernel_compute(spec: KernelSpec, computed_sides: tuple = ()) -> float:
     """Pointwise work, in cost units. A matmul's operand (prologue) counts once per output
     tile that reads it: about N / 128 times for the left operand, M / 128 for the right;
     in an attention kernel, the right operands (keys, values) count STREAMED_WORK times
-    more."""
+    more. The operands on ``computed_sides`` (0: left, 1: right) count nothing: the tile
+    model times their work (``Schedule.gathered_sides``, codegen/tiles.py)."""
     streamed = STREAMED_WORK if any(n.op == "expdot" for n in spec.walk()) else 1.0
     repeat: dict[int, float] = {}
     for d in (n for n in spec.walk() if n.op in ("dot", "expdot")):
@@ -150,6 +151,9 @@ def kernel_compute(spec: KernelSpec) -> float:
                                (d.args[1], math.ceil(m / OPERAND_TILE) * streamed)):
             for x in operand.walk():
                 repeat[id(x)] = max(repeat.get(id(x), 1), times)
+        for side in computed_sides:
+            for x in d.args[side].walk():
+                repeat[id(x)] = 0
     total = 0.0
     for n in spec.walk():
         if n.op == "unary":
@@ -204,8 +208,9 @@ def kernel_time_us(spec: KernelSpec, buffers: dict, device: Device | None = None
                    passes: int = 1, sched=None) -> float:
     device = device or device_model()
     memory = passes * kernel_bytes(spec, buffers) / device.bandwidth_bytes_per_us
-    compute = kernel_compute(spec) / device.ops_per_us
-    if sched is not None and sched.kind == "matmul":
+    matmul = sched is not None and sched.kind == "matmul"
+    compute = kernel_compute(spec, sched.gathered_sides if matmul else ()) / device.ops_per_us
+    if matmul:
         from ..codegen import splitk
         compute += splitk.modelled_us(spec, sched, device)
     elif sched is not None and sched.kind == "attention":
