@@ -139,3 +139,32 @@ def test_weight_gradient_is_summed_over_chunks_of_tokens(monkeypatch):
     (out,) = validate.evaluate(compiled.plan, [x, g], make_fallback_runner)
     torch.testing.assert_close(out, f(x, g), rtol=1e-4, atol=1e-4)
     assert rec.narrowed > 0 and rec.largest <= 2 * 2048, rec.largest  # x * 2 alone is 32768
+
+
+@pytest.mark.parametrize("dtype, tf32", [(torch.float16, True), (torch.bfloat16, True), (torch.float32, False)])
+def test_half_precision_products_are_checked_on_tf32_and_float32_ones_as_the_user_set(dtype, tf32, monkeypatch):
+    """Half-precision operands are exact in TF32, so the check multiplies them on tensor
+    cores; a float32 product keeps the user's setting (here off), and the setting is back
+    after the check."""
+    seen = []
+    matmul = torch.matmul
+
+    def recording(a, b):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return matmul(a, b)
+
+    def f(x, w):
+        return torch.relu(x @ w)
+
+    x, w = torch.randn(5, 16, dtype=dtype), torch.randn(16, 7, dtype=dtype)
+    compiled = eqfuse.compile(f, (x, w), validate=False)
+    monkeypatch.setattr(torch, "matmul", recording)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        (out,) = validate.evaluate(compiled.plan, [x, w], make_fallback_runner)
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert seen == [tf32]
+    torch.testing.assert_close(out.to(dtype), f(x, w), rtol=2e-2, atol=2e-2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -61,13 +62,36 @@ def _apply(node: PNode, a: list, shape: tuple, device) -> torch.Tensor:
     if op == "cat":
         return torch.cat([a[0], a[1]], at[0])
     if op == "dot":
-        return torch.matmul(a[0], a[1])
-    if op == "expdot":
+        return _product(a[0], a[1], node.args)
+    if op == "expdot":  # the weights are rounded to the values' dtype, as the kernel multiplies them
         weights = torch.exp(a[0] - a[0].amax(-1, keepdim=True)).to(ops.DTYPES[node.args[1].dtype])
-        return torch.matmul(weights.to(a[1].dtype), a[1])
+        return _product(weights.to(a[1].dtype), a[1], node.args[1:])
     if op == "expsum":
         return torch.exp(a[0] - a[0].amax(-1, keepdim=True)).sum(-1, keepdim=True)
     raise AssertionError(op)  # pragma: no cover - every plan op is listed above
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, operands) -> torch.Tensor:
+    """``a @ b`` in float32, for a product of the plan nodes ``operands``. Where they are
+    half precision, on TF32 tensor cores: the kernel rounds them to 10 mantissa bits (fp16) or
+    7 (bf16), which TF32 holds, so each product is exact and only the float32 sum's order
+    differs, as it does between any two kernels. In IEEE float32 they run at a tenth of
+    the rate or less, and a Llama layer's check is part of its cold compile. A float32
+    product keeps the user's setting (the kernel's and eager's too)."""
+    if all(x.dtype in ops.NARROW_FLOATS for x in operands):
+        with _tf32():
+            return torch.matmul(a, b)
+    return torch.matmul(a, b)
+
+
+@contextmanager
+def _tf32():
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
 class _KernelEvaluator:
@@ -103,8 +127,8 @@ class _KernelEvaluator:
         for k0 in range(0, a.shape[-1], step):
             k1 = min(a.shape[-1], k0 + step)
             memo: dict = {}
-            part = torch.matmul(self.narrow(a, len(a.shape) - 1, k0, k1, memo),
-                                self.narrow(b, len(b.shape) - 2, k0, k1, memo))
+            part = _product(self.narrow(a, len(a.shape) - 1, k0, k1, memo),
+                            self.narrow(b, len(b.shape) - 2, k0, k1, memo), node.args)
             out = part if out is None else out.add_(part)
         return out
 
