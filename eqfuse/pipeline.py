@@ -234,8 +234,11 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     outcome = pending.wait()
     waited = time.perf_counter() - t0
     tuning: dict = {}
+    module = result["module"]
+    compiling = frozenset(i.name for i in result["kernels"] if getattr(module, f"{i.name}_launch", None) is not None
+                          and getattr(module, f"{i.name}_launch").deferred)
     configs = choose_configs(plan, result["kernels"], title, VERSION, example_inputs, constants,
-                             measure=False, parallel=False, stats=tuning)
+                             measure=False, parallel=False, stats=tuning, unchecked=compiling)
     changed = {}
     if configs != first:
         source, infos = generate_module(plan, title, VERSION, configs)

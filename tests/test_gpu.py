@@ -146,6 +146,36 @@ def test_without_the_pool_kernels_compile_at_their_first_launch(fresh_caches, ji
     assert "compile" not in compiled.report
 
 
+def test_the_flash_template_compiles_in_the_background_while_its_twin_runs(fresh_caches):
+    """The flash template takes seconds to compile: the first call runs the portable
+    attention kernel, no CUDA graph is recorded meanwhile (it would replay the twin for
+    good), and once the template is compiled the calls run it and record."""
+    import time
+
+    from eqfuse.codegen import flash
+    from eqfuse.examples import ATTENTION_EXAMPLES
+
+    if not flash.device_supports():
+        pytest.skip("the flash template needs a Hopper GPU")
+    ex = ATTENTION_EXAMPLES["causal_attention"]
+    torch.manual_seed(0)
+    q, k, v = ex.make_inputs(2, 4, 384, 128, torch.float16, "cuda")
+    compiled = eqfuse.compile(ex.fn, (q, k, v), autotune=False)
+    for _ in range(3):
+        assert_matches(compiled(q, k, v), ex.fn(q, k, v))
+    (template,) = [x for name, x in vars(compiled._main.module).items()
+                   if name.endswith("_launch") and getattr(x.fn, "is_gluon", lambda: False)()]
+    assert compiled.report["compile"]["module"]["compiling_in_background"], compiled.report["compile"]
+    assert template.deferred and compiled._main.graphs.replays == 0
+    deadline = time.monotonic() + 120
+    while template.deferred and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not template.deferred
+    for _ in range(3):
+        assert_matches(compiled(q, k, v), ex.fn(q, k, v))
+    assert template._compiled and compiled._main.graphs.replays > 0
+
+
 def test_the_driver_module_is_built_ahead_into_the_cache(tmp_path):
     """parallel_compile.ready_triton_ahead: a child builds Triton's CUDA driver module into
     this process's cache (in a fresh process: the test's own has made its driver)."""

@@ -36,6 +36,23 @@ def test_tuple_outputs_keep_their_structure_on_every_call():
         assert_matches(got, two_outputs(x, y))
 
 
+def test_a_deferred_launcher_runs_its_twin_until_it_is_ready():
+    """A template still compiling (parallel_compile._deferrable) gives way to its twin,
+    and runs itself once it is ready."""
+    x, y = torch.randn(8, 33), torch.randn(8, 33)
+    compiled = eqfuse.compile(scale_shift, (x, y))
+    (k,) = compiled.kernels
+    launcher = getattr(compiled._main.module, f"{k.name}_launch")
+    twin_calls = []
+    launcher.otherwise = lambda *tensors: twin_calls.append(len(tensors))
+    launcher.deferred = True
+    compiled(x, y)
+    assert twin_calls == [3]  # x, y and the output
+    launcher.deferred = False
+    assert_matches(compiled(x, y), scale_shift(x, y))
+    assert twin_calls == [3]
+
+
 @gpu
 def test_misaligned_input_gets_its_own_specialisation():
     """Triton specialises pointers on 16-byte alignment; the direct launcher must not reuse

@@ -398,3 +398,86 @@ def test_autotune_store_keeps_a_configs_key_order(tmp_path, monkeypatch):
     cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     autotune._save("a kernel", cfg)
     assert list(autotune._load_store()["a kernel"]) == list(cfg)
+
+
+def test_a_slow_template_runs_its_twin_until_it_compiles(monkeypatch):
+    """A template with a portable twin (the flash template) is not waited for: Pending's
+    wait() returns once the other kernels (the twin among them) are compiled, the launcher
+    runs the twin meanwhile, and the template from its reply on."""
+    import threading
+
+    from eqfuse.runtime.launch import KernelLauncher
+
+    class Template:
+        arg_names = ["x"]
+
+        def is_gluon(self):
+            return True
+
+    class Portable:
+        arg_names = ["x"]
+
+    twin = KernelLauncher(Portable(), (1,), {})
+    template = KernelLauncher(Template(), (1,), {}, otherwise=twin)
+    plain = KernelLauncher(Portable(), (1,), {})
+    names = {id(template): "template", id(twin): "twin", id(plain): "plain"}
+
+    def specialisation(launcher, args, target, backend):
+        name = names[id(launcher)]
+        return pc.Job("module.py", name, {}, {}, {}, {}, target, {}, "", hash=name)
+
+    release = threading.Event()
+    sent = []
+
+    class FakePool:
+        size, broken = 4, ""
+
+        def compile(self, jobs, on_reply):
+            sent.extend(j.name for j in jobs)
+            for i, job in enumerate(jobs):
+                if job.name == "template":
+                    release.wait(10)
+                on_reply(i, {"hash": job.hash, "seconds": 0.1})
+
+    monkeypatch.setattr(pc, "worker_count", lambda: 4)
+    monkeypatch.setattr(pc, "pool", FakePool)
+    monkeypatch.setattr(pc, "current_target", lambda: ("cuda", 90, 32))
+    monkeypatch.setattr(pc, "_backend", lambda target: None)
+    monkeypatch.setattr(pc, "_triton_key", lambda: ("", "key"))
+    monkeypatch.setattr(pc, "_ptxas", lambda target: ("", ""))
+    monkeypatch.setattr(pc, "specialisation", specialisation)
+    monkeypatch.setattr(pc, "is_cached", lambda job: False)
+    pending = pc.Pending([(template, [torch.empty(1)]), (plain, [torch.empty(1)])])
+    assert template.deferred and not plain.deferred
+    # The fake pool replies in order and holds the template back: its jobs after it wait too
+    # unless the template is sent first, as the slowest one is
+    threading.Timer(0.2, release.set).start()
+    out = pending.wait()
+    assert sent[0] == "template" and sorted(sent) == ["plain", "template", "twin"]
+    assert out.background == ["template: its portable twin runs until it compiles"]
+    pending._thread.join(10)
+    assert not template.deferred
+    assert out.compiled == 3 and not out.failed
+
+
+def test_without_a_pool_nothing_is_deferred(monkeypatch):
+    from eqfuse.runtime.launch import KernelLauncher
+
+    class Template:
+        arg_names = ["x"]
+
+        def is_gluon(self):
+            return True
+
+    template = KernelLauncher(Template(), (1,), {}, otherwise=KernelLauncher(Template(), (1,), {}))
+    monkeypatch.setattr(pc, "worker_count", lambda: 1)
+    monkeypatch.setattr(pc, "current_target", lambda: ("cuda", 90, 32))
+    monkeypatch.setattr(pc, "_backend", lambda target: None)
+    monkeypatch.setattr(pc, "_triton_key", lambda: ("", "key"))
+    monkeypatch.setattr(pc, "specialisation",
+                        lambda launcher, args, target, backend: pc.Job("m.py", "k", {}, {}, {}, {}, target, {}, "",
+                                                                       hash=str(id(launcher))))
+    monkeypatch.setattr(pc, "is_cached", lambda job: False)
+    monkeypatch.setattr(pc, "_ptxas", lambda target: ("", ""))
+    out = pc.Pending([(template, [torch.empty(1)])]).wait()
+    assert not template.deferred and out.background == []

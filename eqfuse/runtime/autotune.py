@@ -85,15 +85,21 @@ def _scratch_tensors(plan, example_inputs, constants) -> dict:
 
 
 def choose_configs(plan, infos, title, version, example_inputs, constants, measure: bool = True,
-                   parallel: bool = False, stats: dict | None = None) -> dict:
+                   parallel: bool = False, stats: dict | None = None, unchecked: frozenset = frozenset()) -> dict:
     """kernel name -> config. Each trial regenerates the kernel for its config, so the masks
     always match the block sizes. ``measure=False`` (or ``EQFUSE_AUTOTUNE=0``) takes the
     first configuration that launches, in the model's order, and stores nothing.
     ``parallel``: the candidates are compiled in parallel_compile's pool before their first
     launch; ``stats`` (a dict) gets the seconds spent compiling and launching candidates
-    and the pool's outcome."""
+    and the pool's outcome. ``unchecked``: kernels an untimed build takes the first
+    configuration of without launching it (a template still compiling in the background,
+    whose launcher checks its first launch itself: launch.KernelLauncher)."""
     measure = switched_on("EQFUSE_AUTOTUNE", measure)
     chosen, pending = _stored(plan, infos, version)
+    if not measure:
+        for info, _ in [p for p in pending if p[0].name in unchecked]:
+            chosen[info.name] = kgen.fallback_candidates(info.schedule)[0]
+        pending = [p for p in pending if p[0].name not in unchecked]
     if not pending:
         return chosen
     outcome, seconds = _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure,

@@ -270,7 +270,10 @@ class _Variant:
         # graph's modelled time (a copy reads and writes each byte) and its launches
         copy_bytes = int(COPY_IN_SHARE * cost * device_model().bandwidth_bytes_per_us / 2)
         copy_count = len(self.plan.steps) // LAUNCHES_PER_COPY
-        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count)
+        module = getattr(self, "module", None)
+        launchers = [v for k, v in vars(module).items() if k.endswith("_launch")] if module is not None else []
+        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count,
+                             deferred=[x for x in launchers if getattr(x, "deferred", False)])
 
     def explain(self) -> str:
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: "

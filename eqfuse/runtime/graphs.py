@@ -103,8 +103,12 @@ def unrecordable(steps) -> str | None:
 class GraphReplayer:
     """``replayer(inputs)`` returns what ``launch(*inputs)`` would (a flat list of tensors)."""
 
-    def __init__(self, launch: Callable, fixed_inputs: tuple = (), copy_bytes: int = 0, copy_count: int = 0):
+    def __init__(self, launch: Callable, fixed_inputs: tuple = (), copy_bytes: int = 0, copy_count: int = 0,
+                 deferred: list = ()):
         self.launch = launch
+        # Launchers running a twin while their own kernel compiles (parallel_compile._deferrable):
+        # a recording made meanwhile would replay the twin for good, so none is made until they run their own
+        self.deferred = list(deferred)
         self.fixed_inputs = fixed_inputs  # constants the graph also reads (their addresses never change)
         self.copy_limits = (copy_count, copy_bytes)  # the most inputs, and bytes, a replay may copy in
         self.copied: tuple = ()  # positions of the inputs copied in; settled at the first recording
@@ -118,6 +122,11 @@ class GraphReplayer:
     def __call__(self, inputs: tuple) -> list:
         if self.disabled is not None or torch._C._cuda_isCurrentStreamCapturing():
             return self.launch(*inputs)  # inside the caller's own capture: just launch
+        if self.deferred:
+            ready = not any(launcher.deferred for launcher in self.deferred)
+            if ready:  # their kernels' first launch, outside a recording (it loads them)
+                self.deferred = []
+            return self.launch(*inputs)
         ptrs = tuple([x.data_ptr() for x in inputs])
         recordings = self._recordings.get(self._key(ptrs))
         if recordings is None:

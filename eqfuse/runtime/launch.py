@@ -21,10 +21,13 @@ through Triton's allocator hook, set around the call only.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from triton import knobs
 from triton.runtime import _allocation
+
+log = logging.getLogger("eqfuse")
 
 _RUNTIME_KNOBS = knobs.runtime  # launch hooks a profiler sets: read on every launch, as Triton does
 
@@ -105,7 +108,10 @@ class KernelLauncher:
     ``otherwise(*tensors)`` where a tensor whose bit is set in ``aligned`` (the first
     tensor the highest bit) does not start on a 16-byte boundary; ``picks``: the positions
     of the tensors ``otherwise`` takes, where it takes others (a template's operands may
-    share a buffer the other kernel takes once)."""
+    share a buffer the other kernel takes once). While ``deferred`` (a template still
+    compiling in the background: parallel_compile._deferrable), ``otherwise`` runs; such a
+    kernel skipped the first call's launch check (autotune.choose_configs), so while
+    ``unchecked``, a kernel that fails to load gives way to ``otherwise`` for good."""
 
     def __init__(self, fn, grid: tuple, constexprs: dict, *, aligned: int = 0, otherwise=None,
                  picks: tuple | None = None, **options):
@@ -117,11 +123,13 @@ class KernelLauncher:
         self.constexprs = constexprs
         self.options = options
         self.interpreted = type(fn).__name__ == "InterpretedFunction"
+        self.deferred = False
+        self.unchecked = False
         self._compiled: dict[tuple, _Compiled] = {}  # (device, each pointer 16-byte aligned?) -> kernel
 
     def __call__(self, *tensors):
         if self.interpreted:
-            if self.need and self._alignment(tensors) & self.need != self.need:
+            if self.deferred or self.need and self._alignment(tensors) & self.need != self.need:
                 return self.otherwise(*self._otherwise_args(tensors))
             self.fn[self.grid](*tensors, **self.constexprs, **self.options)
             return
@@ -134,14 +142,23 @@ class KernelLauncher:
             p = t.data_ptr()
             ptrs.append(p)
             aligned = aligned << 1 | (p & 15 == 0)
-        if aligned & self.need != self.need:
+        if aligned & self.need != self.need or self.deferred:
             return self.otherwise(*self._otherwise_args(tensors))
         device = _current_device()
         key = (device, aligned)
         compiled = self._compiled.get(key)
         if compiled is None:  # through the JIT, which compiles if needed
-            with triton_scratch():
-                kernel = self.fn[self.grid](*tensors, **self.constexprs, **self.options)
+            try:
+                with triton_scratch():
+                    kernel = self.fn[self.grid](*tensors, **self.constexprs, **self.options)
+            except Exception as e:
+                if not self.unchecked:
+                    raise
+                log.warning("eqfuse: a kernel does not run on this device, its twin runs instead: %s: %s",
+                            type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
+                self.deferred = True
+                return self.otherwise(*self._otherwise_args(tensors))
+            self.unchecked = False
             tail = tuple(self.constexprs[name] for name in self.fn.arg_names[len(tensors):])
             self._compiled[key] = _Compiled(kernel, self.grid, tail)
             return

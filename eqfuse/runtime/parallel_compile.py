@@ -122,6 +122,7 @@ class Outcome:
     launcher_seconds: float = 0.0  # of which waiting for C launchers (a C compile per new signature)
     slowest: tuple = ()  # (kernel, seconds) of the longest compile: the least a batch can take
     note: str = ""  # why the pool was not used, where it was meant to be
+    background: list = field(default_factory=list)  # templates not waited for (see _deferrable)
 
     def as_dict(self) -> dict:
         d = {"kernels": self.kernels, "cached": self.cached, "compiled_in_pool": self.compiled,
@@ -134,6 +135,8 @@ class Outcome:
             d["slowest"] = f"{self.slowest[0]} {self.slowest[1]:.2f} s"
         if self.failed:
             d["failed"] = list(self.failed)
+        if self.background:
+            d["compiling_in_background"] = list(self.background)
         if self.note:
             d["note"] = self.note
         return d
@@ -390,8 +393,9 @@ class CompilePool:
             self.broken = f"could not start compile workers: {e}"
             self.close()
 
-    def compile(self, jobs: list[Job]) -> list[dict]:
-        """A reply for every job, in order: ``{"hash": ...}`` or ``{"error": ...}``."""
+    def compile(self, jobs: list[Job], on_reply=None) -> list[dict]:
+        """A reply for every job, in order: ``{"hash": ...}`` or ``{"error": ...}``.
+        ``on_reply(i, reply)``, where given, hears of each as it comes (on a thread of the pool)."""
         with self.lock:
             self.start()
             if self.broken:
@@ -413,6 +417,9 @@ class CompilePool:
                     except OSError as e:
                         replies[i] = {"error": str(e)}
                         self.broken = str(e)  # a dead worker: the next graphs compile serially
+                    if on_reply is not None:
+                        on_reply(i, replies[i])
+                    if self.broken:
                         return
 
             threads = [threading.Thread(target=serve, args=(w,), daemon=True) for w in self.workers]
@@ -423,7 +430,12 @@ class CompilePool:
             if self.broken:
                 self.close()
             left = self.broken or "not compiled"
-            return [r if r is not None else {"error": left} for r in replies]
+            unanswered = [i for i, r in enumerate(replies) if r is None]
+            for i in unanswered:
+                replies[i] = {"error": left}
+                if on_reply is not None:
+                    on_reply(i, replies[i])
+            return replies
 
     def close(self) -> None:
         for w in self.workers:
@@ -479,21 +491,73 @@ class _Batch:
     start: float
     todo: list = field(default_factory=list)
     explain: object = None  # (job, reply) -> which parts of the key differ
+    deferred: dict = field(default_factory=dict)  # job hash -> the launchers running their twin until it compiles
 
-    def compile(self) -> Outcome:
+    def compile(self, main_done: threading.Event | None = None) -> Outcome:
+        """Compiles the jobs; ``main_done`` is set once every job but the deferred ones
+        has its reply (``out.seconds`` is then the time they took)."""
         if self.todo:
-            _compile_in_pool(self.todo, self.out, self.explain)
-        self.out.seconds = time.perf_counter() - self.start
+            self._compile_in_pool(main_done)
+        if not self.out.seconds:
+            self.out.seconds = time.perf_counter() - self.start
         return self.out
 
+    def _compile_in_pool(self, main_done) -> None:
+        out, todo = self.out, self.todo
+        size = worker_count()
+        if size < 2:
+            out.note = f"kernels compile at first launch: {size} compile worker(s) (one CPU or {ENV_WORKERS})"
+            return
+        p = pool()
+        out.workers = p.size
+        waiting = [sum(job.hash not in self.deferred for job in todo)]
+        lock = threading.Lock()
 
-def _prepare(launches, target: tuple | None = None) -> _Batch:
+        def on_reply(i: int, reply: dict) -> None:
+            job = todo[i]
+            with lock:
+                compiled = _account(out, job, reply, p, self.explain)
+                if job.hash in self.deferred:
+                    # The template from now on, compiled or left to the JIT like any kernel
+                    # the pool did not compile; one Triton refused keeps its twin (the JIT
+                    # would refuse it too)
+                    if compiled or "error" not in reply or reply["error"] == p.broken:
+                        for launcher in self.deferred[job.hash]:
+                            launcher.deferred = False
+                    return
+                waiting[0] -= 1
+                if waiting[0] == 0:
+                    out.seconds = time.perf_counter() - self.start
+                    if main_done is not None:
+                        main_done.set()
+        if not waiting[0] and main_done is not None:
+            main_done.set()
+        p.compile(todo, on_reply)
+        if p.broken:
+            out.note = f"compile pool failed, kernels compile serially at first launch: {p.broken}"
+
+
+# A kernel whose compile takes seconds and that has a portable twin (the flash template,
+# codegen/flash_hopper.py: 3.0-3.1 s in a worker on an H100 host, where the portable
+# attention kernel takes under one) is not waited for: the twin runs until it is ready.
+# Llama's forward waited 2.7 s for it at its first call, most of the time its cold compile
+# lost to torch.compile's.
+def _deferrable(launcher, args) -> bool:
+    return (getattr(launcher, "otherwise", None) is not None and getattr(launcher.fn, "is_gluon", lambda: False)()
+            and launcher.resolve(args)[0] is launcher)
+
+
+def _prepare(launches, target: tuple | None = None, defer: bool = False) -> _Batch:
     """The jobs for the kernels of ``launches`` that Triton's cache does not hold: Python
     work of this process, which ``Pending`` does before its thread starts (on the thread,
     beside validation, it waited for the GIL at every step). A batch with nothing to do and
-    a note where the specialisations or ptxas cannot be read."""
+    a note where the specialisations or ptxas cannot be read. ``defer``: a slow template's
+    launcher (``_deferrable``) runs its twin until the template compiles, and the twin is
+    compiled too."""
     batch = _Batch(Outcome(), time.perf_counter())
     out = batch.out
+    deferred: dict = {}
+    defer = defer and worker_count() >= 2  # without a pool, nothing compiles in the background
     try:
         target = target or current_target()
         backend = _backend(target)
@@ -503,6 +567,12 @@ def _prepare(launches, target: tuple | None = None) -> _Batch:
             job = specialisation(launcher, args, target, backend)
             jobs.setdefault(job.hash, job)
             fns.setdefault(job.hash, launcher.resolve(args)[0].fn)
+            if defer and _deferrable(launcher, args):
+                twin, twin_args = launcher.otherwise, launcher._otherwise_args(args)
+                twin_job = specialisation(twin, twin_args, target, backend)
+                jobs.setdefault(twin_job.hash, twin_job)
+                fns.setdefault(twin_job.hash, twin.resolve(twin_args)[0].fn)
+                deferred.setdefault(job.hash, []).append(launcher)
     except Exception as e:  # noqa: BLE001 - a Triton that binds arguments otherwise: compile serially
         out.note = f"kernels compile at first launch: could not read their specialisation ({_one_line(e)})"
         return batch
@@ -518,7 +588,13 @@ def _prepare(launches, target: tuple | None = None) -> _Batch:
         for job in todo:
             job.ptxas_version, job.ptxas_path = ptxas
             job.triton_key = key
-    batch.todo = todo
+    # Only a template that is to compile waits; it is sent first, being the longest
+    batch.deferred = {h: ls for h, ls in deferred.items() if any(j.hash == h for j in todo)}
+    batch.todo = sorted(todo, key=lambda j: j.hash not in batch.deferred)
+    for h, launchers in batch.deferred.items():
+        for launcher in launchers:
+            launcher.deferred = launcher.unchecked = True
+        out.background.append(f"{jobs[h].name}: its portable twin runs until it compiles")
     batch.explain = lambda job, reply: _key_difference(job, fns[job.hash], backend, reply)
     out.prepare_seconds = time.perf_counter() - batch.start
     return batch
@@ -527,52 +603,51 @@ def _prepare(launches, target: tuple | None = None) -> _Batch:
 class Pending:
     """``precompile(launches)``, its jobs made here and sent from a thread of its own, which
     mostly waits on the workers' pipes: the caller goes on (validating the plan, building a
-    training step's backward) while the kernels compile. ``wait()`` gives the Outcome."""
+    training step's backward) while the kernels compile. ``wait()`` gives the Outcome once
+    every kernel but a deferred template (``_deferrable``) has compiled."""
 
     def __init__(self, launches):
         self._outcome: Outcome | None = None
+        self._main_done = threading.Event()
         try:
-            batch = _prepare(list(launches))
+            batch = _prepare(list(launches), defer=True)
         except Exception as e:  # noqa: BLE001 - _prepare should not raise; if it does, the JIT compiles
             batch = _Batch(Outcome(note=f"kernels compile at first launch: {_one_line(e)}"), time.perf_counter())
-        self._thread = threading.Thread(target=self._run, args=(batch,), daemon=True, name="eqfuse-precompile")
+        self._batch = batch
+        self._thread = threading.Thread(target=self._run, daemon=True, name="eqfuse-precompile")
         self._thread.start()
 
-    def _run(self, batch: _Batch):
+    def _run(self):
         try:
-            self._outcome = batch.compile()
+            self._outcome = self._batch.compile(self._main_done)
         except Exception as e:  # noqa: BLE001 - compile should not raise; if it does, the JIT compiles
             self._outcome = Outcome(note=f"kernels compile at first launch: {_one_line(e)}")
+        finally:
+            self._main_done.set()
 
     def wait(self) -> Outcome:
-        self._thread.join()
-        return self._outcome
+        self._main_done.wait()
+        return self._outcome or self._batch.out
 
 
-def _compile_in_pool(todo: list[Job], out: Outcome, explain) -> None:
-    """``explain(job, reply)``: which parts of the key differ, for a reply under another key."""
-    size = worker_count()
-    if size < 2:
-        out.note = f"kernels compile at first launch: {size} compile worker(s) (one CPU or {ENV_WORKERS})"
-        return
-    p = pool()
-    out.workers = p.size
-    for job, reply in zip(todo, p.compile(todo)):
-        if "error" in reply:
-            if reply["error"] != p.broken:  # a kernel Triton refused (the JIT will say why again)
-                out.failed.append(f"{job.name}: {reply['error']}")
-        elif reply.get("hash") != job.hash:  # it would compile again at first launch
-            out.failed.append(f"{job.name}: compiled under another key than the JIT's "
-                              f"({_explained(explain, job, reply)})")
-        else:
-            out.compiled += 1
-            out.worker_seconds += reply["seconds"]
-            out.launcher_seconds += reply.get("launcher_seconds", 0.0)
-            out.slowest_reply = max(out.slowest_reply, reply.get("reply_seconds", 0.0))
-            if not out.slowest or reply["seconds"] > out.slowest[1]:
-                out.slowest = (job.name, reply["seconds"])
-    if p.broken:
-        out.note = f"compile pool failed, kernels compile serially at first launch: {p.broken}"
+def _account(out: Outcome, job: Job, reply: dict, p, explain) -> bool:
+    """``reply`` to ``job`` counted in ``out``; whether the kernel is now where the JIT
+    will find it."""
+    if "error" in reply:
+        if reply["error"] != p.broken:  # a kernel Triton refused (the JIT will say why again)
+            out.failed.append(f"{job.name}: {reply['error']}")
+        return False
+    if reply.get("hash") != job.hash:  # it would compile again at first launch
+        out.failed.append(f"{job.name}: compiled under another key than the JIT's "
+                          f"({_explained(explain, job, reply)})")
+        return False
+    out.compiled += 1
+    out.worker_seconds += reply["seconds"]
+    out.launcher_seconds += reply.get("launcher_seconds", 0.0)
+    out.slowest_reply = max(out.slowest_reply, reply.get("reply_seconds", 0.0))
+    if not out.slowest or reply["seconds"] > out.slowest[1]:
+        out.slowest = (job.name, reply["seconds"])
+    return True
 
 
 def _explained(explain, job: Job, reply: dict) -> str:
