@@ -223,8 +223,9 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     without deferral does; a configuration that does not run on this device gives way
     to the next one, in a module generated anew: its fields of the result are returned
     (none where the first choices all ran). Then the plan cache gets the entry (under
-    ``key``, if any): only configurations that ran are kept. Raises NoRunnableConfig
-    where none runs."""
+    ``key``, if any): only configurations that ran are kept, so none while a template
+    still compiles in the background (parallel_compile._deferrable). Raises
+    NoRunnableConfig where none runs."""
     from .codegen.module import generate_module
     from .runtime.autotune import choose_configs
     from .runtime.compiled import VERSION
@@ -250,7 +251,12 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     report["compile"] = {"module": outcome.as_dict()}
     if outcome.note:
         report["note"] = "; ".join(n for n in (report.get("note"), outcome.note) if n)
-    if key is not None:
+    if key is not None and compiling:
+        # The entry keeps only configurations that ran: a later build, finding the template
+        # in Triton's cache, stores it
+        report["plan_cache"] = {**report.get("plan_cache", {"hit": False, "key": key}), "stored": False,
+                                "not_stored": f"{', '.join(sorted(compiling))} still compiling, not run yet"}
+    elif key is not None:
         _store_plan(key, result)
     return changed
 

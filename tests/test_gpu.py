@@ -146,7 +146,7 @@ def test_without_the_pool_kernels_compile_at_their_first_launch(fresh_caches, ji
     assert "compile" not in compiled.report
 
 
-def test_the_flash_template_compiles_in_the_background_while_its_twin_runs(fresh_caches):
+def test_the_flash_template_compiles_in_the_background_while_its_twin_runs(fresh_caches, monkeypatch):
     """The flash template takes seconds to compile: the first call runs the portable
     attention kernel, no CUDA graph is recorded meanwhile (it would replay the twin for
     good), and once the template is compiled the calls run it and record."""
@@ -157,6 +157,7 @@ def test_the_flash_template_compiles_in_the_background_while_its_twin_runs(fresh
 
     if not flash.device_supports():
         pytest.skip("the flash template needs a Hopper GPU")
+    monkeypatch.setenv("EQFUSE_PLAN_CACHE", "1")
     ex = ATTENTION_EXAMPLES["causal_attention"]
     torch.manual_seed(0)
     q, k, v = ex.make_inputs(2, 4, 384, 128, torch.float16, "cuda")
@@ -167,6 +168,8 @@ def test_the_flash_template_compiles_in_the_background_while_its_twin_runs(fresh
                    if name.endswith("_launch") and getattr(x.fn, "is_gluon", lambda: False)()]
     assert compiled.report["compile"]["module"]["compiling_in_background"], compiled.report["compile"]
     assert template.deferred and compiled._main.graphs.replays == 0
+    # The plan cache keeps only configurations that ran: not this build's
+    assert compiled.report["plan_cache"]["stored"] is False, compiled.report["plan_cache"]
     deadline = time.monotonic() + 120
     while template.deferred and time.monotonic() < deadline:
         time.sleep(0.05)
