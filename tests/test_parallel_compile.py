@@ -400,31 +400,48 @@ def test_autotune_store_keeps_a_configs_key_order(tmp_path, monkeypatch):
     assert list(autotune._load_store()["a kernel"]) == list(cfg)
 
 
-def test_a_slow_template_runs_its_twin_until_it_compiles(monkeypatch):
-    """A template with a portable twin (the flash template) is not waited for: Pending's
-    wait() returns once the other kernels (the twin among them) are compiled, the launcher
-    runs the twin meanwhile, and the template from its reply on."""
-    import threading
+class _Template:
+    """A Gluon kernel, as parallel_compile sees one (no source needed: jobs are faked)."""
+    arg_names = ["x"]
 
+    def is_gluon(self):
+        return True
+
+
+class _Portable:
+    arg_names = ["x"]
+
+
+def _template_and_plain(monkeypatch, pool_class):
+    """A template launcher with its portable twin, and a plain launcher; the pool faked,
+    each launcher's job named after it."""
     from eqfuse.runtime.launch import KernelLauncher
 
-    class Template:
-        arg_names = ["x"]
-
-        def is_gluon(self):
-            return True
-
-    class Portable:
-        arg_names = ["x"]
-
-    twin = KernelLauncher(Portable(), (1,), {})
-    template = KernelLauncher(Template(), (1,), {}, otherwise=twin)
-    plain = KernelLauncher(Portable(), (1,), {})
+    twin = KernelLauncher(_Portable(), (1,), {})
+    template = KernelLauncher(_Template(), (1,), {}, otherwise=twin)
+    plain = KernelLauncher(_Portable(), (1,), {})
     names = {id(template): "template", id(twin): "twin", id(plain): "plain"}
 
     def specialisation(launcher, args, target, backend):
         name = names[id(launcher)]
         return pc.Job("module.py", name, {}, {}, {}, {}, target, {}, "", hash=name)
+
+    monkeypatch.setattr(pc, "worker_count", lambda: 4)
+    monkeypatch.setattr(pc, "pool", pool_class)
+    monkeypatch.setattr(pc, "current_target", lambda: ("cuda", 90, 32))
+    monkeypatch.setattr(pc, "_backend", lambda target: None)
+    monkeypatch.setattr(pc, "_triton_key", lambda: ("", "key"))
+    monkeypatch.setattr(pc, "_ptxas", lambda target: ("", ""))
+    monkeypatch.setattr(pc, "specialisation", specialisation)
+    monkeypatch.setattr(pc, "is_cached", lambda job: False)
+    return template, plain
+
+
+def test_a_slow_template_runs_its_twin_until_it_compiles(monkeypatch):
+    """A template with a portable twin (the flash template) is not waited for: Pending's
+    wait() returns once the other kernels (the twin among them) are compiled, the launcher
+    runs the twin meanwhile, and the template from its reply on."""
+    import threading
 
     release = threading.Event()
     sent = []
@@ -439,14 +456,7 @@ def test_a_slow_template_runs_its_twin_until_it_compiles(monkeypatch):
                     release.wait(10)
                 on_reply(i, {"hash": job.hash, "seconds": 0.1})
 
-    monkeypatch.setattr(pc, "worker_count", lambda: 4)
-    monkeypatch.setattr(pc, "pool", FakePool)
-    monkeypatch.setattr(pc, "current_target", lambda: ("cuda", 90, 32))
-    monkeypatch.setattr(pc, "_backend", lambda target: None)
-    monkeypatch.setattr(pc, "_triton_key", lambda: ("", "key"))
-    monkeypatch.setattr(pc, "_ptxas", lambda target: ("", ""))
-    monkeypatch.setattr(pc, "specialisation", specialisation)
-    monkeypatch.setattr(pc, "is_cached", lambda job: False)
+    template, plain = _template_and_plain(monkeypatch, FakePool)
     pending = pc.Pending([(template, [torch.empty(1)]), (plain, [torch.empty(1)])])
     assert template.deferred and not plain.deferred
     # The fake pool replies in order and holds the template back: its jobs after it wait too
@@ -460,24 +470,26 @@ def test_a_slow_template_runs_its_twin_until_it_compiles(monkeypatch):
     assert out.compiled == 3 and not out.failed
 
 
+@pytest.mark.parametrize("error, deferred", [("pool gone", False), ("Triton refused it", True)])
+def test_a_template_the_pool_did_not_compile(monkeypatch, error, deferred):
+    """A pool that failed leaves the template to the JIT, as any kernel; one Triton
+    refused keeps its twin (the JIT would refuse it too)."""
+    class FakePool:
+        size, broken = 4, "pool gone"
+
+        def compile(self, jobs, on_reply):
+            for i, job in enumerate(jobs):
+                on_reply(i, {"error": error} if job.name == "template" else {"hash": job.hash, "seconds": 0.1})
+
+    template, plain = _template_and_plain(monkeypatch, FakePool)
+    pending = pc.Pending([(template, [torch.empty(1)]), (plain, [torch.empty(1)])])
+    pending.wait()
+    pending._thread.join(10)
+    assert template.deferred is deferred
+
+
 def test_without_a_pool_nothing_is_deferred(monkeypatch):
-    from eqfuse.runtime.launch import KernelLauncher
-
-    class Template:
-        arg_names = ["x"]
-
-        def is_gluon(self):
-            return True
-
-    template = KernelLauncher(Template(), (1,), {}, otherwise=KernelLauncher(Template(), (1,), {}))
+    template, _ = _template_and_plain(monkeypatch, None)
     monkeypatch.setattr(pc, "worker_count", lambda: 1)
-    monkeypatch.setattr(pc, "current_target", lambda: ("cuda", 90, 32))
-    monkeypatch.setattr(pc, "_backend", lambda target: None)
-    monkeypatch.setattr(pc, "_triton_key", lambda: ("", "key"))
-    monkeypatch.setattr(pc, "specialisation",
-                        lambda launcher, args, target, backend: pc.Job("m.py", "k", {}, {}, {}, {}, target, {}, "",
-                                                                       hash=str(id(launcher))))
-    monkeypatch.setattr(pc, "is_cached", lambda job: False)
-    monkeypatch.setattr(pc, "_ptxas", lambda target: ("", ""))
     out = pc.Pending([(template, [torch.empty(1)])]).wait()
     assert not template.deferred and out.background == []

@@ -399,7 +399,10 @@ class CompilePool:
         with self.lock:
             self.start()
             if self.broken:
-                return [{"error": self.broken}] * len(jobs)
+                replies = [{"error": self.broken} for _ in jobs]
+                for i, reply in enumerate(replies if on_reply is not None else ()):
+                    on_reply(i, reply)
+                return replies
             replies: list[dict | None] = [None] * len(jobs)
             queue = list(range(len(jobs)))
             queue_lock = threading.Lock()
