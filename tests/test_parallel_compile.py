@@ -338,7 +338,7 @@ def test_the_backend_starts_tritons_key_for_a_graph_on_the_gpu(monkeypatch):
     monkeypatch.delenv(pc.ENV_SWITCH, raising=False)
     with FakeTensorMode():
         on_gpu = [torch.empty(2, device="cuda")]
-    backend._ready_triton_ahead([torch.ones(2)], {})  # the CPU: no pool
+    backend._ready_triton_ahead([torch.ones(2, device="cpu")], {})  # the CPU: no pool
     backend._ready_triton_ahead(on_gpu, {"parallel_compile": False})
     assert started == []
     backend._ready_triton_ahead(on_gpu, {})
