@@ -23,7 +23,9 @@ Triton, not torch, while the graph is captured), with one worker per CPU (at mos
 ``EQFUSE_COMPILE_WORKERS`` sets the number), and stops at exit. What Triton does once a
 process (hashing its own files for the key, building its driver's C module) is done by
 child processes beside the build (``ready_triton_ahead``). Kernels already
-in Triton's cache are not sent. Whatever goes wrong (a worker that does not start or
+in Triton's cache are not sent. A build's first call waits for its kernels, all but a
+template that takes seconds and has a portable twin: that one compiles on while the twin
+runs (``_deferrable``). Whatever goes wrong (a worker that does not start or
 dies, a Triton that packs arguments otherwise) leaves the kernels to the JIT, compiled at
 their first launch as before, with a one-line note in the graph's report. Off on the
 CPU (the interpreter compiles nothing), with ``parallel_compile=False`` or
