@@ -1,6 +1,13 @@
 """The errors eqfuse raises: each names the problem in one line."""
 
 
+def one_line(e: BaseException) -> str:
+    """``e`` as its type and the first line of its message: how a report or a warning
+    names an exception that eqfuse caught and worked around."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 class EqfuseError(Exception):
     """Base class of every error eqfuse raises on purpose."""
 

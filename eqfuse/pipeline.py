@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .errors import EqfuseError, ExtractionError, Unsupported
+from .errors import EqfuseError, ExtractionError, Unsupported, one_line
 
 
 def build(fn, example_inputs, options) -> dict:
@@ -107,7 +107,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         try:
             mismatch_ = mismatch(plan, captured, make_fallback_runner)
         except Exception as e:  # noqa: BLE001 - a checker that cannot run has not checked
-            mismatch_ = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            mismatch_ = one_line(e)
         seconds["validate"] = time.perf_counter() - t0
         problem = mismatch_ and f"internal check failed, the extracted plan differs from the graph: {mismatch_}"
         if not problem:
@@ -229,15 +229,14 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     from .codegen.module import generate_module
     from .runtime.autotune import choose_configs
     from .runtime.compiled import VERSION
+    from .runtime.launch import deferred_launchers
 
     report, plan = result["report"], result["plan"]
     t0 = time.perf_counter()
     outcome = pending.wait()
     waited = time.perf_counter() - t0
     tuning: dict = {}
-    module = result["module"]
-    compiling = frozenset(i.name for i in result["kernels"] if getattr(module, f"{i.name}_launch", None) is not None
-                          and getattr(module, f"{i.name}_launch").deferred)
+    compiling = frozenset(deferred_launchers(result["module"]))
     configs = choose_configs(plan, result["kernels"], title, VERSION, example_inputs, constants,
                              measure=False, parallel=False, stats=tuning, unchecked=compiling)
     changed = {}

@@ -30,7 +30,7 @@ import torch
 
 from ..codegen import kernel as kgen
 from ..codegen.module import generate_module
-from ..errors import EqfuseError
+from ..errors import EqfuseError, one_line
 from .cache import cache_dir, cache_key, load_module, switched_on, write_atomic
 
 log = logging.getLogger("eqfuse")
@@ -96,10 +96,10 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
     whose launcher checks its first launch itself: launch.KernelLauncher)."""
     measure = switched_on("EQFUSE_AUTOTUNE", measure)
     chosen, pending = _stored(plan, infos, version)
-    if not measure:
-        for info, _ in [p for p in pending if p[0].name in unchecked]:
-            chosen[info.name] = kgen.fallback_candidates(info.schedule)[0]
-        pending = [p for p in pending if p[0].name not in unchecked]
+    if not measure:  # what first_choices takes for them
+        chosen.update({info.name: kgen.fallback_candidates(info.schedule)[0] for info, _ in pending
+                       if info.name in unchecked})
+        pending = [(info, key) for info, key in pending if info.name not in unchecked]
     if not pending:
         return chosen
     outcome, seconds = _try_configs(pending, chosen, plan, title, version, example_inputs, constants, measure,
@@ -215,7 +215,7 @@ def _prepare(plan, title, version, configs, name, tensors):
     try:
         mod, infos = _load(plan, title, version, configs)
     except Exception as e:  # noqa: BLE001 - a config the code generator or Python rejects
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return one_line(e)
     return _candidate(mod, next(i for i in infos if i.name == name), tensors)
 
 
@@ -245,7 +245,7 @@ def _first_launch(candidate):
         launcher(*args)  # compiles it, unless the pool has
         torch.cuda.synchronize()
     except Exception as e:  # a config the compiler rejects (shared memory, registers...)
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None, one_line(e)
     return (lambda: launcher(*args)), ""
 
 

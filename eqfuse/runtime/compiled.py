@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import EqfuseError
+from ..errors import EqfuseError, one_line
 from ..schema.plan import BufArg, FallbackStep
 
 VERSION = "0.1.0"
@@ -256,6 +256,7 @@ class _Variant:
     def _graph_replayer(self):
         from ..rewrite.cost import device_model
         from .graphs import GraphReplayer, unrecordable
+        from .launch import deferred_launchers
 
         if not (self.options.cuda_graphs and self.device.type == "cuda" and self.kernels):
             return None
@@ -271,9 +272,8 @@ class _Variant:
         copy_bytes = int(COPY_IN_SHARE * cost * device_model().bandwidth_bytes_per_us / 2)
         copy_count = len(self.plan.steps) // LAUNCHES_PER_COPY
         module = getattr(self, "module", None)
-        launchers = [v for k, v in vars(module).items() if k.endswith("_launch")] if module is not None else []
-        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count,
-                             deferred=[x for x in launchers if getattr(x, "deferred", False)])
+        deferred = list(deferred_launchers(module).values()) if module is not None else []
+        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count, deferred)
 
     def explain(self) -> str:
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: "
@@ -308,7 +308,7 @@ class _Variant:
 def _internal_error(e: Exception) -> dict:
     """A build's result where eqfuse failed: the whole graph in eager, with the reason."""
     log.warning("eqfuse: internal error, the graph runs in eager: %s: %s", type(e).__name__, e)
-    return _eager_result(f"internal error in eqfuse: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return _eager_result(f"internal error in eqfuse: {one_line(e)}")
 
 
 def _eager_result(reason: str) -> dict:

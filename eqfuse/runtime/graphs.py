@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import one_line
+
 log = logging.getLogger("eqfuse")
 
 # Eager ops a recording may hold: each only launches kernels on the current stream, with
@@ -189,7 +191,7 @@ class GraphReplayer:
             with torch.cuda.graph(graph):
                 outputs = self.launch(*staged)
         except Exception as e:  # noqa: BLE001 - a graph that cannot be recorded still runs
-            self.disabled = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.disabled = one_line(e)
             log.warning("eqfuse: CUDA graph recording failed, launching kernel by kernel: %s", self.disabled)
             return None
         # Besides tensors, a graph returns constants (None for a gradient that no input

@@ -27,6 +27,8 @@ import torch
 from triton import knobs
 from triton.runtime import _allocation
 
+from ..errors import one_line
+
 log = logging.getLogger("eqfuse")
 
 _RUNTIME_KNOBS = knobs.runtime  # launch hooks a profiler sets: read on every launch, as Triton does
@@ -154,8 +156,7 @@ class KernelLauncher:
             except Exception as e:
                 if not self.unchecked:
                     raise
-                log.warning("eqfuse: a kernel does not run on this device, its twin runs instead: %s: %s",
-                            type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
+                log.warning("eqfuse: a kernel does not run on this device, its twin runs instead: %s", one_line(e))
                 self.deferred = True
                 return self.otherwise(*self._otherwise_args(tensors))
             self.unchecked = False
@@ -181,6 +182,13 @@ class KernelLauncher:
         for t in tensors:
             bits = bits << 1 | (t.data_ptr() & 15 == 0)
         return bits
+
+
+def deferred_launchers(module) -> dict:
+    """kernel name -> launcher, for a loaded generated module's launchers that run their
+    twin while their own kernel still compiles (parallel_compile._deferrable)."""
+    return {name[:-len("_launch")]: x for name, x in vars(module).items()
+            if name.endswith("_launch") and getattr(x, "deferred", False)}
 
 
 class SizedLauncher:

@@ -48,6 +48,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import one_line
 from .cache import switched_on
 
 ENV_SWITCH = "EQFUSE_PARALLEL_COMPILE"  # "0" turns the pool off
@@ -579,7 +580,7 @@ def _prepare(launches, target: tuple | None = None, defer: bool = False) -> _Bat
                 fns.setdefault(twin_job.hash, twin.resolve(twin_args)[0].fn)
                 deferred.setdefault(job.hash, []).append(launcher)
     except Exception as e:  # noqa: BLE001 - a Triton that binds arguments otherwise: compile serially
-        out.note = f"kernels compile at first launch: could not read their specialisation ({_one_line(e)})"
+        out.note = f"kernels compile at first launch: could not read their specialisation ({one_line(e)})"
         return batch
     out.kernels = len(jobs)
     todo = [j for j in jobs.values() if not is_cached(j)]
@@ -588,7 +589,7 @@ def _prepare(launches, target: tuple | None = None, defer: bool = False) -> _Bat
         try:
             ptxas = _ptxas(target)
         except Exception as e:  # noqa: BLE001 - no ptxas to be found: the JIT would fail alike
-            out.note = f"kernels compile at first launch: could not find ptxas ({_one_line(e)})"
+            out.note = f"kernels compile at first launch: could not find ptxas ({one_line(e)})"
             return batch
         for job in todo:
             job.ptxas_version, job.ptxas_path = ptxas
@@ -617,7 +618,7 @@ class Pending:
         try:
             batch = _prepare(list(launches), defer=True)
         except Exception as e:  # noqa: BLE001 - _prepare should not raise; if it does, the JIT compiles
-            batch = _Batch(Outcome(note=f"kernels compile at first launch: {_one_line(e)}"), time.perf_counter())
+            batch = _Batch(Outcome(note=f"kernels compile at first launch: {one_line(e)}"), time.perf_counter())
         self._batch = batch
         self._thread = threading.Thread(target=self._run, daemon=True, name="eqfuse-precompile")
         self._thread.start()
@@ -626,7 +627,7 @@ class Pending:
         try:
             self._outcome = self._batch.compile(self._main_done)
         except Exception as e:  # noqa: BLE001 - compile should not raise; if it does, the JIT compiles
-            self._outcome = Outcome(note=f"kernels compile at first launch: {_one_line(e)}")
+            self._outcome = Outcome(note=f"kernels compile at first launch: {one_line(e)}")
         finally:
             self._main_done.set()
 
@@ -659,12 +660,7 @@ def _explained(explain, job: Job, reply: dict) -> str:
     try:
         return explain(job, reply.get("key_parts", {}))
     except Exception as e:  # noqa: BLE001 - only a diagnosis: the failure is reported anyway
-        return f"could not compare the keys: {_one_line(e)}"
-
-
-def _one_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+        return f"could not compare the keys: {one_line(e)}"
 
 
 # --- launches of a loaded module ------------------------------------------------------------

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import one_line
 from .cache import cache_dir, switched_on, write_atomic
 
 FORMAT = 1  # bumped when an entry's layout changes
@@ -166,7 +167,7 @@ def store(key: str, entry: Entry) -> str | None:
     try:
         _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(entry)
     except (pickle.PicklingError, TypeError, AttributeError, RecursionError, RuntimeError) as e:
-        return f"the plan does not pickle: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return f"the plan does not pickle: {one_line(e)}"
     payload = buf.getvalue()
     try:
         write_atomic(entry_path(key), _header(key, hashlib.sha256(payload).hexdigest()) + payload)
@@ -195,7 +196,7 @@ def load(key: str) -> tuple[Entry | None, str | None]:
     try:
         entry = pickle.loads(payload)
     except Exception as e:  # noqa: BLE001 - a class renamed or removed since it was written
-        return None, f"it does not load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None, f"it does not load: {one_line(e)}"
     if not isinstance(entry, Entry):
         return None, f"it holds a {type(entry).__name__}, not a plan"
     return entry, None
