@@ -121,7 +121,7 @@ def cmd_export(args) -> int:
     from eqfuse.export import export_graph
 
     fn, inputs = _target_and_inputs(args)
-    compiled = eqfuse.compile(fn, inputs)
+    compiled = eqfuse.compile(fn, inputs, cublas=False)  # the exported runner launches kernels only
     out = args.out or f"eqfuse-export/{args.target.rsplit(':', 1)[-1]}"
     try:
         manifest = export_graph(compiled, out, arch=args.arch)

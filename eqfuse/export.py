@@ -16,7 +16,9 @@ reader). The directory holds:
     <kernel>.cubin/.ptx     each kernel, compiled by Triton for the architecture
     constants/<name>.bin    tensors the graph captured (module parameters), raw bytes
 
-A graph with eager fallbacks is refused: the exported runner launches kernels only.
+A graph with eager fallbacks or cuBLAS calls is refused: the exported runner launches
+kernels only (compile with ``cublas=False`` for generated products, as
+``eqfuse export`` does).
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ def _exportable_variant(compiled):
         ops = "; ".join(str(f) for f in variant.fallbacks)
         raise ExportError(f"cannot export a graph with eager fallbacks (the exported runner launches kernels "
                           f"only): {ops}")
+    if variant.library_calls:
+        names = ", ".join(c.name for c in variant.library_calls)
+        raise ExportError(f"cannot export cuBLAS calls ({names}; the exported runner launches kernels only): "
+                          "compile with cublas=False to generate those products as kernels")
     return variant
 
 

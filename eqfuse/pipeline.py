@@ -47,6 +47,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     device = example_inputs[0].device if example_inputs else torch.device("cpu")
     device_type = device.type
     parallel = _parallel(options, example_inputs)
+    library = _cublas(device_type, options)
     title = getattr(fn, "__name__", type(fn).__name__)
     result = {"constants": captured.constants, "out_spec": captured.out_spec, "device": device,
               "whole_graph_eager": False, "kernels": [], "fallbacks": [], "source": "", "plan": None,
@@ -99,7 +100,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
                 break
             continue
         if _deferred(options, parallel):
-            started = _start_kernels(plan, title, example_inputs, captured.constants, seconds)
+            started = _start_kernels(plan, title, example_inputs, captured.constants, seconds, library)
         if not options.validate:
             problem = None
             break
@@ -125,7 +126,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         return _rounded(result)
 
     t0 = time.perf_counter()
-    source, infos = generate_module(plan, title, VERSION)
+    source, infos = generate_module(plan, title, VERSION, library=library)
     tuning: dict = {}  # seconds spent compiling and first launching kernels, and the pool's outcome
     if device_type == "cuda" and infos:
         from .runtime.autotune import NoRunnableConfig, choose_configs
@@ -189,7 +190,7 @@ def _deferred(options, parallel: bool) -> bool:
     return parallel and not switched_on("EQFUSE_AUTOTUNE", options.autotune)
 
 
-def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict):
+def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict, library: bool):
     """The plan's module, each kernel in the tile model's first configuration (or the one
     timed for it before), loaded, its kernels compiling in the pool as the build goes on:
     validation, then (with the backend's ``backward_ahead``) a training step's backward
@@ -203,7 +204,7 @@ def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict):
 
     t0 = time.perf_counter()
     plan = copy.deepcopy(plan)  # code generation splits kernels in place; validation wants them whole
-    source, infos = generate_module(plan, title, VERSION)
+    source, infos = generate_module(plan, title, VERSION, library=library)
     if not infos:
         seconds["codegen"] = time.perf_counter() - t0
         return None
@@ -347,6 +348,12 @@ def _prestart() -> None:
     """parallel_compile's workers started now, to be ready when the kernels are."""
     from .runtime.parallel_compile import prestart
     prestart()
+
+
+def _cublas(device_type: str, options) -> bool:
+    """Plain products as cuBLAS calls (codegen/library.py): on a GPU, unless turned off."""
+    from .codegen import library
+    return library.wanted(device_type, options.cublas)
 
 
 def _parallel(options, example_inputs) -> bool:

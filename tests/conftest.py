@@ -7,6 +7,10 @@ os.environ.setdefault("EQFUSE_CACHE_DIR", os.path.join(os.path.dirname(__file__)
 # Off for the suite: tests compile under monkeypatched internals (a tile model, a code
 # writer) that no plan cache key sees. tests/test_plan_cache.py turns it on.
 os.environ.setdefault("EQFUSE_PLAN_CACHE", "0")
+# Off for the suite too: on a GPU, plain products would run as cuBLAS calls
+# (codegen/library.py), and the tests of generated products would test cuBLAS instead.
+# tests/test_library.py turns it on.
+os.environ.setdefault("EQFUSE_CUBLAS", "0")
 
 # The suite runs where it is started: on a CUDA GPU when there is one (real Triton
 # compilation), else on the CPU through the Triton interpreter.

@@ -9,7 +9,7 @@ import torch
 from conftest import DEVICE, assert_matches
 
 import eqfuse
-from eqfuse.codegen import flash
+from eqfuse.codegen import access, flash
 from eqfuse.codegen.module import generate_module
 from eqfuse.examples import ATTENTION_EXAMPLES
 from eqfuse.runtime import cache
@@ -316,11 +316,11 @@ def test_index_maps_over_a_load_are_read_as_the_view_torch_makes():
     q = PNode("permute", ((0, 2, 1, 3),), (heads,), (2, 2, 256, 128), "float16")
     ref = torch.empty(2 * 196608, device="meta").as_strided((2, 256, 768), (196608, 768, 1))
     ref = ref[:, :, 256:512].reshape(2, 256, 2, 128).permute(0, 2, 1, 3)
-    buf, view = flash._strided(q)
+    buf, view = access.strided_view(q)
     assert (buf, view.stride(), view.storage_offset()) == ("buf", ref.stride(), ref.storage_offset())
     wide = PNode("reshape", (), (PNode("permute", ((0, 2, 1),), (load,), (2, 768, 256), "float16"),),
                  (2, 768 * 256), "float16")
-    assert flash._strided(wide) is None  # a reshape no view of those strides can make
+    assert access.strided_view(wide) is None  # a reshape no view of those strides can make
 
 
 def test_on_hopper_a_prologue_on_q_leaves_the_attention_kernel_for_the_template(monkeypatch):

@@ -67,3 +67,36 @@ def address_step(load: PNode, env: Env, index: str, point: dict) -> int:
     here = eval(expr, {"__builtins__": {}}, dict(point))  # noqa: S307 - our own index arithmetic
     there = eval(expr, {"__builtins__": {}}, {**point, index: point[index] + 1})  # noqa: S307
     return there - here
+
+
+def strided_view(node: PNode):
+    """``(buffer, meta tensor)``: the strides and offset at which ``node`` reads its buffer,
+    where it is a load under index maps torch can express as a view; None otherwise. A
+    meta tensor keeps strides and offsets through slices, permutes, views and expands,
+    without memory."""
+    import torch
+    if node.op == "load":
+        buf, strides, offset = node.attrs
+        extent = offset + sum((n - 1) * s for n, s in zip(node.shape, strides)) + 1
+        return buf, torch.empty(extent, device="meta").as_strided(node.shape, strides, offset)
+    if node.op not in INDEX_MAPS:
+        return None
+    inner = strided_view(node.args[0])
+    if inner is None:
+        return None
+    buf, t = inner
+    try:
+        if node.op == "slice":
+            dim, start, step = node.attrs
+            strides = list(t.stride())
+            strides[dim] *= step
+            t = t.as_strided(node.shape, strides, t.storage_offset() + start * t.stride(dim))
+        elif node.op == "permute":
+            t = t.permute(*node.attrs[0])
+        elif node.op == "reshape":
+            t = t.view(node.shape)
+        else:
+            t = t.expand(node.shape)
+    except RuntimeError:  # a reshape that is no view of these strides
+        return None
+    return buf, t if tuple(t.shape) == tuple(node.shape) else None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
+from . import access
 
 # The template's configurations the autotuner is offered: (FLASH, head dims, BLOCK_M,
 # BLOCK_N, K/V ring depth as num_stages), two consumer warpgroups of BLOCK_M / 2 rows each.
@@ -173,7 +174,7 @@ def _operand(node: PNode, contiguous: int) -> Operand | None:
     into heads, transposed, sliced), with a unit stride along ``contiguous`` (-1: rows of
     D, or k^T stored as such; -2: k^T, whose D runs down its columns). Its rows are the
     other axis."""
-    view = _strided(node) if len(node.shape) <= 4 else None
+    view = access.strided_view(node) if len(node.shape) <= 4 else None
     if view is None:
         return None
     buf, t = view
@@ -186,39 +187,6 @@ def _operand(node: PNode, contiguous: int) -> Operand | None:
     if any((s * item) % ALIGN for s in (row, offset, *batch)):
         return None
     return Operand(buf, offset, batch, row)
-
-
-def _strided(node: PNode):
-    """``(buffer, meta tensor)``: the strides and offset at which ``node`` reads its buffer,
-    where it is a load under index maps torch can express as a view; None otherwise. A
-    meta tensor keeps strides and offsets through slices, permutes, views and expands,
-    without memory."""
-    import torch
-    if node.op == "load":
-        buf, strides, offset = node.attrs
-        extent = offset + sum((n - 1) * s for n, s in zip(node.shape, strides)) + 1
-        return buf, torch.empty(extent, device="meta").as_strided(node.shape, strides, offset)
-    if node.op not in ("slice", "permute", "reshape", "broadcast"):
-        return None
-    inner = _strided(node.args[0])
-    if inner is None:
-        return None
-    buf, t = inner
-    try:
-        if node.op == "slice":
-            dim, start, step = node.attrs
-            strides = list(t.stride())
-            strides[dim] *= step
-            t = t.as_strided(node.shape, strides, t.storage_offset() + start * t.stride(dim))
-        elif node.op == "permute":
-            t = t.permute(*node.attrs[0])
-        elif node.op == "reshape":
-            t = t.view(node.shape)
-        else:
-            t = t.expand(node.shape)
-    except RuntimeError:  # a reshape that is no view of these strides
-        return None
-    return buf, t if tuple(t.shape) == tuple(node.shape) else None
 
 
 def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..schema import ops
-from ..schema.plan import FallbackStep, KernelSpec, Plan, contiguous_strides, last_uses, returned_buffers, step_reads
+from ..schema.plan import FallbackStep, KernelSpec, LibraryCall, Plan, last_uses, returned_buffers, step_reads
 from . import kernel as kgen
 from .kmajor import kmajor_operands
+from .library import library_products
 from .split import split_reductions
 from .splitk import split_matmuls
 
@@ -95,22 +96,27 @@ def launch_options(info: KernelInfo) -> str:
     return kw
 
 
-def prepare(plan: Plan) -> None:
+def prepare(plan: Plan, library: bool = False) -> None:
     """The plan rewritten into the kernels the module launches. Matmuls and reductions too
     narrow to fill the GPU become two kernels (codegen/splitk.py, codegen/split.py; split-K
     first, whose second stage split reductions leave alone). The plan itself is rewritten,
     so that the autotuner, the compile pool and export, which run the plan after this, see
     the kernels this module launches. Before them, TF32 products get K-major copies of
-    their N-major right operands (codegen/kmajor.py): split-K then chunks the copy."""
+    their N-major right operands (codegen/kmajor.py): split-K then chunks the copy. First
+    of all, with ``library`` (a plan run on a GPU), plain products become cuBLAS calls
+    (codegen/library.py), which none of those passes touches."""
+    if library:
+        library_products(plan)
     kmajor_operands(plan)
     split_matmuls(plan)
     split_reductions(plan)
 
 
-def generate_module(plan: Plan, title: str, version: str, configs: dict | None = None):
-    """Returns (source, [KernelInfo]). ``configs`` maps kernel name -> tuned config."""
+def generate_module(plan: Plan, title: str, version: str, configs: dict | None = None, library: bool = False):
+    """Returns (source, [KernelInfo]). ``configs`` maps kernel name -> tuned config;
+    ``library``: plain products as cuBLAS calls (``prepare``)."""
     configs = configs or {}
-    prepare(plan)
+    prepare(plan, library)
     infos = [kernel_info(k, plan.buffers, configs.get(k.name)) for k in plan.kernels]
     body, rets = call_lines(plan, infos)
     return assemble(title, version, infos, _launcher_line, [b.name for b in plan.inputs], body, rets), infos
@@ -157,16 +163,18 @@ def call_lines(plan: Plan, infos: list, size: str = "") -> tuple[list, list]:
             info = by_name[step.name]
             for _, buf in step.roots:
                 if buf not in allocated:
-                    b = plan.buffers[buf]
-                    # empty_strided with the strides spelled out: on CUDA it takes less host time than empty
-                    strides = tuple(b.strides) if b.strides is not None else contiguous_strides(b.shape)
-                    body.append(f"{buf} = torch.empty_strided({tuple(b.shape)!r}, {strides!r}, "
-                                f"dtype={ops.DTYPES[b.dtype]}, device=DEVICE)")
+                    body.append(_allocation(plan.buffers[buf]))
                     allocated.add(buf)
             if 0 in info.grid:
                 body.append(f"# {info.name}: nothing to compute (zero-size)")
                 continue
             body.append(f"{info.name}_launch({', '.join(([size] if size else []) + info.params)})")
+        elif isinstance(step, LibraryCall):
+            if step.out.buf not in allocated:
+                body.append(_allocation(plan.buffers[step.out.buf]))
+                allocated.add(step.out.buf)
+            a, b = (strided(v) for v in step.operands)
+            body.append(f"torch.{step.op}({a}, {b}, out={strided(step.out)})  # {step.name}: {step.description}")
         else:
             assert isinstance(step, FallbackStep)
             refs = sorted(step_reads(step))
@@ -181,14 +189,25 @@ def call_lines(plan: Plan, infos: list, size: str = "") -> tuple[list, list]:
         if o[0] == "buffer":
             rets.append(o[1])
         elif o[0] == "view":
-            r = o[1]
-            rets.append(f"torch.as_strided({r.buf}, {tuple(r.shape)!r}, {tuple(r.strides)!r}, "
-                        f"{r.buf}.storage_offset() + {r.offset})")
+            rets.append(strided(o[1]))
         elif o[0] == "opaque":
             rets.append(o[1])
         else:
             rets.append(repr(o[1]))
     return body, rets
+
+
+def _allocation(b) -> str:
+    """The line allocating buffer ``b``: empty_strided with the strides spelled out (on
+    CUDA it takes less host time than empty)."""
+    return (f"{b.name} = torch.empty_strided({tuple(b.shape)!r}, {tuple(b.layout)!r}, "
+            f"dtype={ops.DTYPES[b.dtype]}, device=DEVICE)")
+
+
+def strided(r) -> str:
+    """The expression viewing a buffer as BufRef ``r`` says (its offset from where the
+    buffer's own view starts)."""
+    return f"torch.as_strided({r.buf}, {tuple(r.shape)!r}, {tuple(r.strides)!r}, {r.buf}.storage_offset() + {r.offset})"
 
 
 def _freed_after(plan: Plan) -> dict:

@@ -49,6 +49,9 @@ class Options:
     # for the same inputs, options and device, skipping saturation to code generation
     # (runtime/plan_cache.py; EQFUSE_PLAN_CACHE=0 turns it off)
     plan_cache: bool = True
+    # a product with nothing fused around it runs as a cuBLAS call, not a generated kernel
+    # (GPU only; codegen/library.py; EQFUSE_CUBLAS=0 turns it off)
+    cublas: bool = True
 
     @classmethod
     def make(cls, **kw):
@@ -92,6 +95,11 @@ class CompiledGraph:
     @property
     def fallbacks(self) -> list[FallbackInfo]:
         return self._main.fallbacks
+
+    @property
+    def library_calls(self) -> list:
+        """The plan's steps that call a library routine (plain products: cuBLAS on a GPU)."""
+        return self._main.library_calls
 
     @property
     def source(self) -> str:
@@ -174,6 +182,10 @@ class _Variant:
     source: str = ""
     report: dict = field(default_factory=dict)
     plan: Any = None
+
+    @property
+    def library_calls(self) -> list:
+        return self.plan.library_calls if self.plan is not None else []
 
     def __post_init__(self):
         from ..pipeline import build
@@ -276,8 +288,9 @@ class _Variant:
         return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count, deferred)
 
     def explain(self) -> str:
+        calls = f"{len(self.library_calls)} cuBLAS call(s), " if self.library_calls else ""
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: "
-                 f"{len(self.kernels)} kernel(s), {len(self.fallbacks)} eager fallback(s)"]
+                 f"{len(self.kernels)} kernel(s), {calls}{len(self.fallbacks)} eager fallback(s)"]
         rep = self.report
         if rep.get("plan_cache", {}).get("hit"):
             lines.append(f"  plan: from the plan cache (entry {rep['plan_cache']['key']}); the figures below "
@@ -296,6 +309,9 @@ class _Variant:
             runs = f"; runs as {k.template}" if k.template else ""
             lines.append(f"  kernel {k.name}: {k.schedule.describe()}{runs}; grid {k.grid}, {k.constexprs}")
             lines.append(f"      computes FX nodes: {', '.join(k.fx_nodes) or '-'}")
+        for c in self.library_calls:
+            lines.append(f"  cuBLAS {c.name}: torch.{c.op}, {c.description}")
+            lines.append(f"      computes FX nodes: {', '.join(c.fx_nodes) or '-'}")
         for f in self.fallbacks:
             lines.append(f"  eager: {f}")
         if rep.get("no_cuda_graphs"):

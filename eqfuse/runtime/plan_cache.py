@@ -106,12 +106,12 @@ def _graph_parts(captured) -> tuple:
 
 def _device_parts(device: torch.device) -> tuple:
     """What plans and generated code read of the device and of torch's global settings."""
-    from ..codegen import kmajor, split, splitk, tma
+    from ..codegen import kmajor, library, split, splitk, tma
     from ..rewrite.cost import device_model
 
     parts = [device.type, torch.backends.cuda.matmul.allow_tf32,
              os.environ.get("TRITON_INTERPRET", ""), bool(os.environ.get("EQFUSE_NO_FACTS")),
-             split.enabled(), splitk.enabled(), kmajor.enabled()]
+             split.enabled(), splitk.enabled(), kmajor.enabled(), library.wanted(device.type)]
     if device.type == "cuda":
         parts += [torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
                   tma.sm_count(), tma.device_supports(), switched_on("EQFUSE_AUTOTUNE")]
@@ -123,7 +123,8 @@ def plan_key(captured, example_inputs, options, device: torch.device, title: str
     """The entry a compile of ``captured`` for these inputs and options reads and writes."""
     inputs = tuple(_tensor_meta(t) for t in example_inputs)
     constants = tuple(_tensor_meta(t) for t in captured.constants)
-    chosen = (options.max_enodes, options.max_seconds, tuple(options.rules), options.validate, options.autotune)
+    chosen = (options.max_enodes, options.max_seconds, tuple(options.rules), options.validate, options.autotune,
+              options.cublas)
     h = hashlib.sha256()
     for part in (FORMAT, _versions(), title, _graph_parts(captured), inputs, constants, chosen,
                  _device_parts(device)):

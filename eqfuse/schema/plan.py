@@ -127,10 +127,23 @@ class FallbackStep:
 
 
 @dataclass
+class LibraryCall:
+    """A step that runs a library routine where a generated kernel would add nothing: a
+    plain matrix product as ``torch.<op>`` (mm, bmm: cuBLAS on a GPU, codegen/library.py)
+    over views of the buffers it reads, writing its output into the planned buffer."""
+    name: str  # the kernel's it replaces
+    op: str  # mm | bmm
+    operands: list  # [BufRef] the left and right matrices (stacks of them for bmm)
+    out: Any  # BufRef of the output's buffer, as the product lays it out
+    description: str  # for explain(): the product's shapes and dtype
+    fx_nodes: list = field(default_factory=list)
+
+
+@dataclass
 class Plan:
     inputs: list  # [Buffer] in call order
     buffers: dict  # name -> Buffer
-    steps: list  # KernelSpec | FallbackStep, in execution order
+    steps: list  # KernelSpec | LibraryCall | FallbackStep, in execution order
     outputs: list  # per flat output: ("buffer", name) | ("view", BufRef) | ("const", v) | ("opaque", name)
     cost: float = 0.0
     cost_unfused: float = 0.0
@@ -142,6 +155,10 @@ class Plan:
     @property
     def fallbacks(self) -> list[FallbackStep]:
         return [s for s in self.steps if isinstance(s, FallbackStep)]
+
+    @property
+    def library_calls(self) -> list[LibraryCall]:
+        return [s for s in self.steps if isinstance(s, LibraryCall)]
 
 
 def substitute(node: PNode, new: dict) -> PNode:
@@ -176,10 +193,13 @@ def rewrite_kernels(plan: Plan, rewrite) -> None:
 
 
 def step_reads(step) -> set:
-    """The buffers a step of a plan reads: a kernel's loads, an eager step's arguments."""
+    """The buffers a step of a plan reads: a kernel's loads, a library call's operands, an
+    eager step's arguments."""
     from .from_fx import BufRef
     if isinstance(step, KernelSpec):
         return {n.attrs[0] for n in step.walk() if n.op == "load"}
+    if isinstance(step, LibraryCall):
+        return {v.buf for v in step.operands}
     found = set()
 
     def go(o):
@@ -202,10 +222,18 @@ def last_uses(plan: Plan) -> dict:
     """buffer -> the index of the last step that reads or writes it."""
     last: dict = {}
     for index, step in enumerate(plan.steps):
-        written = [buf for _, buf in step.roots] if isinstance(step, KernelSpec) else step.outputs
-        for buf in (*step_reads(step), *written):
+        for buf in (*step_reads(step), *step_writes(step)):
             last[buf] = index
     return last
+
+
+def step_writes(step) -> list:
+    """The buffers a step of a plan writes."""
+    if isinstance(step, KernelSpec):
+        return [buf for _, buf in step.roots]
+    if isinstance(step, LibraryCall):
+        return [step.out.buf]
+    return step.outputs
 
 
 def returned_buffers(plan: Plan) -> set:

@@ -1,0 +1,111 @@
+"""Plain matrix products handed to cuBLAS.
+
+A kernel that is one matrix product and nothing else (its operands read as stored,
+through index maps only; its output stored as it comes out, no bias, no activation, no
+dequantisation) gains nothing from being generated: there is nothing to fuse, and
+cuBLAS's kernels are the mark a generated product is measured against. Triton's were
+0.3-5% behind at square fp16 and bf16 sizes and 1.3x behind under TF32, where Hopper's
+instruction wants B K-major and the generated plan first copies it (an H100,
+benchmarks/results/matmul_*.json: 4096^3 fp16 205.8 us against 198.1, TF32 2048^3 65.9
+against 50.8). So where the plan runs on a GPU, such a kernel becomes a ``LibraryCall``
+step: ``torch.mm`` (``torch.bmm`` over a batch) on strided views of the buffers, writing
+into the planned output buffer (``out=``), so that the steps around it read it as
+planned. Torch's own settings apply as in eager (``allow_tf32``, fp16 reduced-precision
+reduction).
+
+Only layouts cuBLAS takes as they are: each matrix with a unit stride along one of its
+two dims and the other at least that dim's length (torch would copy any other operand
+first, and compute any other output apart and copy it in), a batch that flattens to one
+dim. Everything else, and every product with work around it, stays a generated kernel;
+so do the sized modules (codegen/sized.py: their views would follow the size) and
+exports (runtime/exported.py runs cubins only). ``EQFUSE_CUBLAS=0`` or the option
+``cublas=False`` keeps every product generated; tests set ``FORCE`` to make the calls on
+the CPU too.
+"""
+
+from __future__ import annotations
+
+from ..runtime.cache import switched_on
+from ..schema.from_fx import BufRef
+from ..schema.plan import KernelSpec, LibraryCall, Plan, PNode
+from .access import strided_view
+
+ENV = "EQFUSE_CUBLAS"
+DTYPES = ("float16", "bfloat16", "float32")
+FORCE = False  # tests: library calls on the CPU too (torch.mm there), to check the steps around them
+
+
+def enabled(option: bool = True) -> bool:
+    """``option``, unless ``EQFUSE_CUBLAS`` says 0, false, off or no (a plan cache key holds this)."""
+    return switched_on(ENV, option)
+
+
+def wanted(device_type: str, option: bool = True) -> bool:
+    """Whether a plan run on ``device_type`` makes its plain products library calls."""
+    return (device_type == "cuda" or FORCE) and enabled(option)
+
+
+def library_products(plan: Plan) -> None:
+    """Rewrite ``plan`` in place: each kernel that is a plain product cuBLAS takes as laid
+    out becomes a LibraryCall. Running it again changes nothing."""
+    plan.steps[:] = [(library_call(s, plan.buffers) or s) if isinstance(s, KernelSpec) else s for s in plan.steps]
+
+
+def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
+    """The LibraryCall computing ``spec``, or None where it is not one plain product of
+    layouts cuBLAS takes."""
+    if len(spec.roots) != 1:
+        return None
+    root, out = spec.roots[0]
+    product, out_view = _product_output(root, buffers[out])
+    if product is None or product.op != "dot" or 0 in product.shape or product.args[0].shape[-1] == 0:
+        return None
+    a, b = product.args
+    if not (a.dtype == b.dtype == product.dtype == buffers[out].dtype and product.dtype in DTYPES):
+        return None
+    views = [strided_view(a), strided_view(b), (out, out_view)]
+    if any(v is None or v[1] is None for v in views):
+        return None
+    batched = len(product.shape) > 2
+    matrices = []
+    for buf, t in views:
+        try:  # a batch of any rank as one dim, as bmm takes it
+            t = t.view(-1, *t.shape[-2:]) if batched else t
+        except RuntimeError:
+            return None
+        if not blas_layout(t.shape[-2:], t.stride()[-2:]):
+            return None
+        matrices.append(BufRef(buf, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+    *_, m, n = product.shape
+    k = a.shape[-1]
+    batch = f"{matrices[2].shape[0]} x " if batched else ""
+    return LibraryCall(spec.name, "bmm" if batched else "mm", matrices[:2], matrices[2],
+                       f"{batch}[{m} x {k}] @ [{k} x {n}] {product.dtype}", list(spec.fx_nodes))
+
+
+def blas_layout(shape, strides) -> bool:
+    """Whether a matrix of ``shape`` with these strides is one cuBLAS reads or writes as
+    laid out: row-major or column-major, the leading stride at least the row (column)."""
+    (rows, cols), (s_rows, s_cols) = shape, strides
+    return (s_cols == 1 and s_rows >= max(1, cols)) or (s_rows == 1 and s_cols >= max(1, rows))
+
+
+def _product_output(root: PNode, buffer) -> tuple:
+    """(the product under ``root``'s reshapes and permutes, the meta view of ``buffer``
+    it would be written through), or (None, None) where ``root`` is something else."""
+    import torch
+    extent = 1 + sum((n - 1) * s for n, s in zip(buffer.shape, buffer.layout))
+    view = torch.empty(extent, device="meta").as_strided(buffer.shape, buffer.layout)
+    node = root
+    try:
+        while node.op in ("reshape", "permute"):
+            inner = node.args[0]
+            if node.op == "reshape":
+                view = view.view(inner.shape)
+            else:
+                inverse = sorted(range(len(node.attrs[0])), key=node.attrs[0].__getitem__)
+                view = view.permute(*inverse)
+            node = inner
+    except RuntimeError:  # a reshape no view of the buffer's strides makes
+        return None, None
+    return node, view

@@ -1,0 +1,164 @@
+"""Plain products as library calls (eqfuse/codegen/library.py): a kernel that is one
+matrix product of operands read as stored becomes ``torch.mm`` / ``torch.bmm`` writing into
+its planned buffer; anything fused around a product, or a layout cuBLAS would copy, keeps
+the generated kernel.
+
+On a GPU that is cuBLAS; here ``FORCE`` makes the same calls on the CPU (torch's CPU BLAS),
+which checks the plan rewrite and the steps around the calls: views, the buffer written,
+the kernels reading it."""
+
+import pytest
+import torch
+from conftest import DEVICE, assert_matches
+
+import eqfuse
+from eqfuse.codegen import library
+
+
+@pytest.fixture
+def cublas(monkeypatch):
+    """Library calls on, on the CPU too."""
+    monkeypatch.setattr(library, "FORCE", True)
+    monkeypatch.delenv(library.ENV, raising=False)
+
+
+def _calls(compiled) -> list[tuple[str, str]]:
+    return [(c.op, c.description) for c in compiled.library_calls]
+
+
+def _check(fn, inputs, kernels: int, calls: list):
+    compiled = eqfuse.compile(fn, inputs)
+    assert_matches(compiled(*inputs), fn(*inputs), contraction=True)
+    assert len(compiled.kernels) == kernels, compiled.explain()
+    assert [op for op, _ in _calls(compiled)] == calls, compiled.explain()
+    return compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(17, 100, 33), (1, 257, 17), (100, 1, 9)])
+def test_plain_product_is_one_call(cublas, dtype, m, k, n):
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    compiled = _check(torch.matmul, [a, b], kernels=0, calls=["mm"])
+    assert _calls(compiled) == [("mm", f"[{m} x {k}] @ [{k} x {n}] {str(dtype)[6:]}")]
+    assert "cuBLAS k0_mm: torch.mm" in compiled.explain()
+    assert "torch.mm(" in compiled.source
+
+
+@pytest.mark.parametrize("a_shape, b_shape, fn", [
+    ((17, 40), (33, 40), lambda x, w: x @ w.T),  # B column-major
+    ((40, 17), (40, 33), lambda xt, w: xt.T @ w),  # A column-major
+    ((40, 17), (33, 40), lambda xt, wt: xt.T @ wt.T),  # both
+], ids=["b", "a", "both"])
+def test_transposed_operands_are_read_as_stored(cublas, a_shape, b_shape, fn):
+    x, w = torch.randn(a_shape, dtype=torch.float16), torch.randn(b_shape, dtype=torch.float16)
+    compiled = _check(fn, [x, w], kernels=0, calls=["mm"])
+    assert "contiguous" not in compiled.source and "clone" not in compiled.source
+
+
+def test_batched_product_is_bmm(cublas):
+    q, k = torch.randn(2, 3, 17, 16), torch.randn(2, 3, 19, 16)
+    _check(lambda q, k: q @ k.transpose(-1, -2), [q, k], kernels=0, calls=["bmm"])
+
+
+def test_product_under_a_reshape_writes_its_buffer_through_a_view(cublas):
+    """x [2, 8, 16] @ w^T: the plan's product is [16, 16] @ [16, 24], reshaped to [2, 8, 24]."""
+    x, w = torch.randn(2, 8, 16), torch.randn(24, 16)
+    compiled = _check(lambda x, w: x @ w.T, [x, w], kernels=0, calls=["mm"])
+    assert compiled.library_calls[0].out.shape == (16, 24)
+
+
+def test_product_under_a_permute_writes_its_buffer_transposed():
+    """A kernel storing (a @ b)^T contiguous: cuBLAS writes the product column-major."""
+    from eqfuse.schema.plan import Buffer, KernelSpec, PNode
+    a = PNode("load", ("a", (20, 1), 0), (), (17, 20), "float32")
+    b = PNode("load", ("b", (9, 1), 0), (), (20, 9), "float32")
+    dot = PNode("dot", (), (a, b), (17, 9), "float32")
+    root = PNode("permute", ((1, 0),), (dot,), (9, 17), "float32")
+    buffers = {"out": Buffer("out", (9, 17), "float32", "temp")}
+    call = library.library_call(KernelSpec("k0", [(root, "out")]), buffers)
+    assert call.op == "mm" and [v.buf for v in call.operands] == ["a", "b"]
+    assert (call.out.buf, call.out.shape, call.out.strides) == ("out", (17, 9), (1, 17))
+
+
+def test_kernels_read_what_the_call_wrote(cublas):
+    """A product whose output a reduction reads (a matmul kernel holds no reduction): the
+    call writes the buffer, the reduction kernel reads it, the buffer is let go of after."""
+    a, b = torch.randn(33, 20), torch.randn(20, 17)
+    compiled = _check(lambda a, b: (a @ b).softmax(-1), [a, b], kernels=1, calls=["mm"])
+    body = compiled.source.split("def call_boxed")[1]
+    assert body.index("torch.mm(") < body.index("_launch(")
+
+
+def test_product_with_an_epilogue_stays_a_kernel(cublas):
+    x, w, bias = torch.randn(17, 40), torch.randn(40, 33), torch.randn(33)
+    _check(lambda x, w, bias: torch.relu(x @ w + bias), [x, w, bias], kernels=1, calls=[])
+
+
+def test_product_with_a_prologue_stays_a_kernel(cublas):
+    x, w = torch.randn(17, 40, dtype=torch.float16), torch.randn(40, 33)
+    _check(lambda x, w: x @ w.half(), [x, w], kernels=1, calls=[])
+
+
+def test_a_layout_cublas_would_copy_stays_a_kernel(cublas):
+    """Every other column of x: no unit stride along either dim of the matrix."""
+    x, w = torch.randn(17, 80), torch.randn(40, 33)
+    _check(lambda x, w: x[:, ::2] @ w, [x, w], kernels=1, calls=[])
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_switched_off_the_product_is_generated(cublas, monkeypatch, how):
+    a, b = torch.randn(17, 20), torch.randn(20, 9)
+    options = {}
+    if how == "env":
+        monkeypatch.setenv(library.ENV, "0")
+    else:
+        options["cublas"] = False
+    compiled = eqfuse.compile(torch.matmul, [a, b], **options)
+    assert len(compiled.kernels) == 1 and compiled.library_calls == []
+    assert_matches(compiled(a, b), a @ b, contraction=True)
+
+
+def test_not_on_the_cpu_unless_forced():
+    a, b = torch.randn(17, 20, device="cpu"), torch.randn(20, 9, device="cpu")
+    assert not library.wanted("cpu")
+    compiled = eqfuse.compile(torch.matmul, [a, b], cublas=True)
+    assert len(compiled.kernels) == 1 and compiled.library_calls == []
+
+
+def test_plan_cache_key_holds_the_switch(monkeypatch):
+    from eqfuse.runtime import plan_cache
+    monkeypatch.delenv(library.ENV, raising=False)
+    on = plan_cache._device_parts(torch.device("cpu"))
+    monkeypatch.setattr(library, "FORCE", True)
+    assert plan_cache._device_parts(torch.device("cpu")) != on
+
+
+def test_export_refuses_library_calls(cublas, tmp_path):
+    from eqfuse.export import ExportError, export_graph
+    a, b = torch.randn(17, 20), torch.randn(20, 9)
+    with pytest.raises(ExportError, match="cannot export cuBLAS calls .*cublas=False"):
+        export_graph(eqfuse.compile(torch.matmul, [a, b]), tmp_path)
+
+
+@pytest.mark.parametrize("layout, ok", [
+    (((4, 5), (5, 1)), True),  # row-major
+    (((4, 5), (1, 4)), True),  # column-major
+    (((4, 5), (8, 1)), True),  # rows padded
+    (((4, 5), (3, 1)), False),  # rows overlap
+    (((4, 5), (10, 2)), False),  # no unit stride
+    (((4, 1), (1, 1)), True),  # one column: both at once
+])
+def test_blas_layout(layout, ok):
+    assert library.blas_layout(*layout) is ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_on_the_gpu_a_plain_product_is_cublas(monkeypatch, dtype):
+    monkeypatch.delenv(library.ENV, raising=False)
+    a, b = torch.randn(257, 100, dtype=dtype, device="cuda"), torch.randn(100, 129, dtype=dtype, device="cuda")
+    _check(torch.matmul, [a, b], kernels=0, calls=["mm"])
+    compiled = _check(lambda a, b: (a @ b).softmax(-1), [a, b], kernels=1, calls=["mm"])
+    for _ in range(3):  # recorded into a CUDA graph, then replayed
+        assert_matches(compiled(a, b), (a @ b).softmax(-1), contraction=True)
+    assert DEVICE == "cuda"
