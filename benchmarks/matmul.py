@@ -13,7 +13,9 @@ The autotuner times as this benchmark does (interleaved rounds, after the GPU's 
 settle under load: an H100 at its power cap runs large matmuls well below its boost
 clock), so ``autotuned_us`` (its figure for the chosen configuration) and ``eqfuse_us``
 should agree for single-kernel workloads. A configuration with ``PROGRAMS`` is the
-persistent TMA form (eqfuse/codegen/tma.py).
+persistent TMA form (eqfuse/codegen/tma.py). Where eqfuse runs a product as a cuBLAS call
+(a plain product: eqfuse/codegen/library.py), the same graph compiled with ``cublas=False``
+is timed beside it (``eqfuse_generated_us``): the product as eqfuse generates it.
 """
 
 from __future__ import annotations
@@ -144,6 +146,10 @@ def main(argv=None):
                       "eqfuse": lambda: compiled(*inputs)}
         if core:
             contenders["core"] = lambda: core(*inputs)
+        generated = None
+        if compiled.library_calls:
+            generated = eqfuse.compile(fn, inputs, cublas=False)
+            contenders["generated"] = lambda: generated(*inputs)
         t = bench_interleaved(contenders)
         t_eager, t_ind, t_eq, t_core = t["eager"], t["inductor"], t["eqfuse"], t.get("core")
         tf = lambda us: round(flops / (us * 1e-6) / 1e12, 1)  # noqa: E731
@@ -153,15 +159,20 @@ def main(argv=None):
                "speedup_vs_torch_compile": round(t_ind / t_eq, 3),
                "cublas_matmul_alone_us": round(t_core, 1) if t_core else None,
                "eqfuse_over_cublas_matmul_alone": round(t_eq / t_core, 3) if t_core else None,
-               "kernels": len(compiled.kernels), "fallbacks": len(compiled.fallbacks),
+               "eqfuse_generated_us": round(t["generated"], 1) if generated else None,
+               "kernels": len(compiled.kernels), "cublas_calls": len(compiled.library_calls),
+               "fallbacks": len(compiled.fallbacks),
                "configs": [k.constexprs | k.launch for k in compiled.kernels],
                "autotuned_us": autotuned_us(start, compiled),
                "max_rel_err": err, "matches_eager": ok, "eqfuse_compile_s": round(eq_compile_s, 2),
                "torch_compile_compile_s": round(ind_compile_s, 2), "tile_model": tile_model_check(start)}
         rows.append(row)
         core_txt = f" cuBLAS mm alone {t_core:7.1f} ({t_eq / t_core:.3f}x)" if t_core else ""
+        if generated:
+            core_txt += f" generated {t['generated']:8.1f}"
         print(f"{name:38s} eager {t_eager:8.1f} ({tf(t_eager):5.1f} TF) inductor {t_ind:8.1f} ({tf(t_ind):5.1f}) "
-              f"eqfuse {t_eq:8.1f} ({tf(t_eq):5.1f}){core_txt} kernels={len(compiled.kernels)} ok={ok} "
+              f"eqfuse {t_eq:8.1f} ({tf(t_eq):5.1f}){core_txt} kernels={len(compiled.kernels)}"
+              f"+{len(compiled.library_calls)} cuBLAS ok={ok} "
               f"compile {eq_compile_s:.1f}s", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     extra = {}

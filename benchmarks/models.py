@@ -67,7 +67,9 @@ MODELS = {
 # contender -> torch.compile's keywords
 CONTENDERS = {"torch.compile": {}, "eqfuse": {"backend": "eqfuse", "options": {"autotune": False}},
               # not run unless named: the backward recomputing cheap forward values (min-cut)
-              "eqfuse-recompute": {"backend": "eqfuse", "options": {"autotune": False, "recompute": True}}}
+              "eqfuse-recompute": {"backend": "eqfuse", "options": {"autotune": False, "recompute": True}},
+              # not run unless named: every product generated, none a cuBLAS call (codegen/library.py)
+              "eqfuse-generated": {"backend": "eqfuse", "options": {"autotune": False, "cublas": False}}}
 
 
 def step(model, training: bool):
@@ -150,6 +152,7 @@ def measure(name: str, training: bool, contenders=CONTENDERS, timing: bool = Tru
         if contender.startswith("eqfuse"):
             graphs = list(eqfuse.backend.history)
             entry.update(graphs=len(graphs), kernels=sum(len(g.kernels) for g in graphs),
+                         cublas_calls=sum(len(g.library_calls) for g in graphs),
                          eager_steps=[str(f) for g in graphs for f in g.fallbacks],
                          cold_compile_stages_s=stages[0], warm_compile_stages_s=stages[1],
                          parallel_compile_cold=pools[0], parallel_compile_warm=pools[1])
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--autotune", action="store_true", help="eqfuse times its tile candidates (compile time unbounded)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    for name in ("eqfuse", "eqfuse-recompute"):
+    for name in ("eqfuse", "eqfuse-recompute", "eqfuse-generated"):
         CONTENDERS[name]["options"]["autotune"] = a.autotune
     rows = []
     for name in a.models:
