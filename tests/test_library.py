@@ -118,11 +118,14 @@ def test_switched_off_the_product_is_generated(cublas, monkeypatch, how):
     assert_matches(compiled(a, b), a @ b, contraction=True)
 
 
-def test_not_on_the_cpu_unless_forced():
-    a, b = torch.randn(17, 20, device="cpu"), torch.randn(20, 9, device="cpu")
-    assert not library.wanted("cpu")
-    compiled = eqfuse.compile(torch.matmul, [a, b], cublas=True)
-    assert len(compiled.kernels) == 1 and compiled.library_calls == []
+def test_wanted_on_the_gpu_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(library.ENV, raising=False)
+    assert library.wanted("cuda") and not library.wanted("cuda", option=False) and not library.wanted("cpu")
+    monkeypatch.setenv(library.ENV, "off")
+    assert not library.wanted("cuda")
+    monkeypatch.delenv(library.ENV)
+    monkeypatch.setattr(library, "FORCE", True)
+    assert library.wanted("cpu")
 
 
 def test_plan_cache_key_holds_the_switch(monkeypatch):
