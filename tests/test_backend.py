@@ -160,7 +160,7 @@ def _fused_sdpa_graph(use_lse: bool):
     def f(q, k, v):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
         return (out * 2, lse) if use_lse else out * 2
-    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, 8, 4, device="cpu") for _ in range(3))  # the CPU op, on a GPU machine too
     return make_fx(f)(q, k, v), (q, k, v)
 
 
