@@ -4,13 +4,14 @@ A kernel that is one matrix product and nothing else (its operands read as store
 through index maps only; its output stored as it comes out, no bias, no activation, no
 dequantisation) gains nothing from being generated: there is nothing to fuse, and
 cuBLAS's kernels are the mark a generated product is measured against. Triton's were
-0.3-5% behind at square fp16 and bf16 sizes and 1.3x behind under TF32, where Hopper's
-instruction wants B K-major and the generated plan first copies it (an H100,
-benchmarks/results/matmul_*.json: 4096^3 fp16 205.8 us against 198.1, TF32 2048^3 65.9
-against 50.8). So where the plan runs on a GPU, such a kernel becomes a ``LibraryCall``
-step: ``torch.mm`` (``torch.bmm`` over a batch) on strided views of the buffers, writing
-into the planned output buffer (``out=``), so that the steps around it read it as
-planned. Torch's own settings apply as in eager (``allow_tf32``, fp16 reduced-precision
+up to 9% behind at square fp16 and bf16 sizes, 1.3x behind under TF32 (where Hopper's
+instruction wants B K-major and the generated plan first copies it) and 1.4x behind at
+GPT-2's weight gradients ([3072 x 8192] @ [8192 x 768]: 82.9 us against 58.4, too few
+output tiles for the SMs); it led by 1-3% at two shapes of nine (an H100,
+benchmarks/results/matmul-cublas_*.json, matmul-library_*.json). So where the plan runs on
+a GPU, such a kernel becomes a ``LibraryCall`` step: ``torch.mm`` (``torch.bmm`` over a batch) on strided views of
+the buffers, writing into the planned output buffer (``out=``), so that the steps around
+it read it as planned. Torch's own settings apply as in eager (``allow_tf32``, fp16 reduced-precision
 reduction).
 
 Only layouts cuBLAS takes as they are: each matrix with a unit stride along one of its
