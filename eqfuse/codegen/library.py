@@ -9,10 +9,10 @@ instruction wants B K-major and the generated plan first copies it) and 1.4x beh
 GPT-2's weight gradients ([3072 x 8192] @ [8192 x 768]: 82.9 us against 58.4, too few
 output tiles for the SMs); it led by 1-3% at two shapes of nine (an H100,
 benchmarks/results/matmul-cublas_*.json, matmul-library_*.json). So where the plan runs on
-a GPU, such a kernel becomes a ``LibraryCall`` step: ``torch.mm`` (``torch.bmm`` over a batch) on strided views of
-the buffers, writing into the planned output buffer (``out=``), so that the steps around
-it read it as planned. Torch's own settings apply as in eager (``allow_tf32``, fp16 reduced-precision
-reduction).
+a GPU, such a kernel becomes a ``LibraryCall`` step: ``torch.mm`` (``torch.bmm`` over a
+batch) on strided views of the buffers, writing into the planned output buffer (``out=``),
+so that the steps around it read it as planned. Torch's own settings apply as in eager
+(``allow_tf32``, fp16 reduced-precision reduction).
 
 Only layouts cuBLAS takes as they are: each matrix with a unit stride along one of its
 two dims and the other at least that dim's length (torch would copy any other operand
