@@ -3,6 +3,7 @@
     compiled = eqfuse.compile(fn, example_inputs)
     compiled(*inputs)         # same result as fn(*inputs)
     compiled.kernels          # generated Triton kernels
+    compiled.library_calls    # plain products run as cuBLAS calls (on a GPU)
     compiled.explain()        # the plan in words
 """
 
@@ -25,7 +26,9 @@ def compile(fn, example_inputs, **options) -> CompiledGraph:
 
     Options: ``max_enodes``, ``max_seconds`` (saturation limits), ``rules`` (rulesets to
     run), ``autotune`` (time block-size candidates on the GPU), ``validate`` (check the
-    extracted plan against the graph on the example inputs; on by default).
+    extracted plan against the graph on the example inputs; on by default), ``cublas``
+    (plain products as cuBLAS calls on a GPU; on by default), and the others of
+    ``eqfuse.Options``.
     """
     return CompiledGraph(fn, example_inputs, Options.make(**options))
 
