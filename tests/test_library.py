@@ -118,6 +118,34 @@ def test_switched_off_the_product_is_generated(cublas, monkeypatch, how):
     assert_matches(compiled(a, b), a @ b, contraction=True)
 
 
+def _mm_softmax(x, w):
+    return (x @ w).softmax(-1)
+
+
+def test_a_sized_module_calls_cublas_at_every_size(cublas, monkeypatch):
+    """A graph with a dynamic row count: the sized module's call views the buffers with
+    their rows written over SIZE, as its allocations are (codegen/sized.py)."""
+    import eqfuse.backend
+    import eqfuse.runtime.sized_graph as sized_graph
+
+    made = []
+    build = sized_graph.build
+    monkeypatch.setattr(sized_graph, "build", lambda *a, **k: made.append(build(*a, **k)) or made[-1])
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    w = torch.randn(16, 24)
+    g = torch.compile(_mm_softmax, backend="eqfuse", dynamic=True)
+    for n in (5, 7, 9, 33, 2):
+        x = torch.randn(n, 16)
+        assert_matches(g(x, w), _mm_softmax(x, w), contraction=True)
+    (first,) = eqfuse.backend.history
+    assert [c.op for c in first.library_calls] == ["mm"] and len(first.kernels) == 1
+    (graph,) = made
+    assert len(graph.sized.infos) == 1
+    call = next(line for line in graph.sized.source.splitlines() if "torch.mm(" in line)
+    assert "SIZE" in call, call
+
+
 def test_wanted_on_the_gpu_unless_turned_off(monkeypatch):
     monkeypatch.delenv(library.ENV, raising=False)
     assert library.wanted("cuda") and not library.wanted("cuda", option=False) and not library.wanted("cpu")

@@ -17,9 +17,11 @@ so that the steps around it read it as planned. Torch's own settings apply as in
 Only layouts cuBLAS takes as they are: each matrix with a unit stride along one of its
 two dims and the other at least that dim's length (torch would copy any other operand
 first, and compute any other output apart and copy it in), a batch that flattens to one
-dim. Everything else, and every product with work around it, stays a generated kernel;
-so do the sized modules (codegen/sized.py: their views would follow the size) and
-exports (runtime/exported.py runs cubins only). ``EQFUSE_CUBLAS=0`` or the option
+dim. Everything else, and every product with work around it, stays a generated kernel,
+as do exports (runtime/exported.py runs cubins only). A sized module (codegen/sized.py)
+writes the views' sizes that follow the dynamic one over ``SIZE``, as it does its
+buffers'; a product cuBLAS takes at one size and not at the next keeps the graph
+compiled per size. ``EQFUSE_CUBLAS=0`` or the option
 ``cublas=False`` keeps every product generated; tests set ``FORCE`` to make the calls on
 the CPU too.
 """

@@ -174,7 +174,7 @@ def call_lines(plan: Plan, infos: list, size: str = "") -> tuple[list, list]:
                 body.append(_allocation(plan.buffers[step.out.buf]))
                 allocated.add(step.out.buf)
             a, b = (strided(v) for v in step.operands)
-            body.append(f"torch.{step.op}({a}, {b}, out={strided(step.out)})  # {step.name}: {step.description}")
+            body.append(f"torch.{step.op}({a}, {b}, out={strided(step.out)})  # {step.name}")
         else:
             assert isinstance(step, FallbackStep)
             refs = sorted(step_reads(step))

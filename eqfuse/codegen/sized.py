@@ -89,7 +89,8 @@ def per_size(a: int, b: int, n: int, what: str, m: int | None = None) -> int:
 SIZES_AHEAD = (0.5, 1, 2, 4, 8)
 
 
-def sized_module(samples: list, title: str, version: str, configs: dict, complete=None) -> SizedModule:
+def sized_module(samples: list, title: str, version: str, configs: dict, complete=None,
+                 library: bool = False) -> SizedModule:
     """The module for every size, from ``samples``: (size, plan) pairs, the first the
     size the module is made at, each other one compared with it; all must give the same
     module. ``configs``: kernel name -> configuration (the first build's), kept for the
@@ -97,9 +98,10 @@ def sized_module(samples: list, title: str, version: str, configs: dict, complet
     tiles best across sizes (``across_sizes``). ``complete(size, plan, configs)``:
     ``configs`` with one for each other kernel of the plan at the first size (on a GPU,
     the first that launches); by default the tile model's first choice there. The plans are
-    rewritten by code generation's ``prepare``. Raises NotSized."""
+    rewritten by code generation's ``prepare`` (``library``: plain products as cuBLAS
+    calls, their views' sizes written over SIZE as the buffers' are). Raises NotSized."""
     for _, plan in samples:
-        prepare(plan)
+        prepare(plan, library)
         steps = [s for s in plan.steps if isinstance(s, FallbackStep)]
         if steps:
             raise NotSized(f"an eager step ({steps[0].node}) runs with the sizes it was traced at")
@@ -248,9 +250,10 @@ def _grid_bound(formula: list, sizes: dict, per_size: dict, upto: int) -> int:
 
 
 def _same_plan(plan_a: Plan, plan_b: Plan, n: int, m: int) -> None:
-    names_a, names_b = [k.name for k in plan_a.kernels], [k.name for k in plan_b.kernels]
-    if names_a != names_b:
-        raise PlansDiffer(f"the plans differ: kernels {names_a} at size {n}, {names_b} at size {m}")
+    for what, steps in (("kernels", lambda p: p.kernels), ("cuBLAS calls", lambda p: p.library_calls)):
+        names_a, names_b = [k.name for k in steps(plan_a)], [k.name for k in steps(plan_b)]
+        if names_a != names_b:
+            raise PlansDiffer(f"the plans differ: {what} {names_a} at size {n}, {names_b} at size {m}")
     if plan_a.buffers.keys() != plan_b.buffers.keys():
         raise PlansDiffer(f"the plans differ: other buffers at size {m} than at {n}")
 

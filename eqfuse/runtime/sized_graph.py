@@ -62,7 +62,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     tensors; ``configs``: block sizes by kernel name (the first call's build)."""
     from ..codegen.sized import NotSized, PlansDiffer, far_size, sized_module
     from ..errors import EqfuseError
-    from ..pipeline import _load, _parallel, plan_only
+    from ..pipeline import _cublas, _load, _parallel, plan_only
     from .compiled import VERSION, _unflattener
 
     start = time.perf_counter()
@@ -112,7 +112,8 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
         use_far = use_far and far_serves(base)
         samples = [(size, plan_of(size)) for size in (base, base + 1, far_size(base) if use_far else base + 2)]
         try:
-            sized = sized_module(samples, title, VERSION, configs, complete if device.type == "cuda" else None)
+            sized = sized_module(samples, title, VERSION, configs, complete if device.type == "cuda" else None,
+                                 library=_cublas(device.type, options))
             break
         except PlansDiffer as e:
             if base != value:
