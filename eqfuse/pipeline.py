@@ -5,6 +5,7 @@ to look at (``CompiledGraph.plan``, ``.source``, ``.report``)."""
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from contextlib import contextmanager
 
@@ -224,9 +225,9 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     without deferral does; a configuration that does not run on this device gives way
     to the next one, in a module generated anew: its fields of the result are returned
     (none where the first choices all ran). Then the plan cache gets the entry (under
-    ``key``, if any): only configurations that ran are kept, so none while a template
-    still compiles in the background (parallel_compile._deferrable). Raises
-    NoRunnableConfig where none runs."""
+    ``key``, if any): only configurations that ran are kept, so a template still compiling
+    in the background (parallel_compile._deferrable) has it stored once it has run
+    (``_store_once_run``). Raises NoRunnableConfig where none runs."""
     from .codegen.module import generate_module
     from .runtime.autotune import choose_configs
     from .runtime.compiled import VERSION
@@ -237,7 +238,8 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     outcome = pending.wait()
     waited = time.perf_counter() - t0
     tuning: dict = {}
-    compiling = frozenset(deferred_launchers(result["module"]))
+    deferred = deferred_launchers(result["module"])
+    compiling = frozenset(deferred)
     configs = choose_configs(plan, result["kernels"], title, VERSION, example_inputs, constants,
                              measure=False, parallel=False, stats=tuning, unchecked=compiling)
     changed = {}
@@ -252,13 +254,30 @@ def _complete(result: dict, pending, first: dict, title: str, example_inputs, co
     if outcome.note:
         report["note"] = "; ".join(n for n in (report.get("note"), outcome.note) if n)
     if key is not None and compiling:
-        # The entry keeps only configurations that ran: a later build, finding the template
-        # in Triton's cache, stores it
+        # The entry keeps only configurations that ran: stored once the templates have
         report["plan_cache"] = {**report.get("plan_cache", {"hit": False, "key": key}), "stored": False,
                                 "not_stored": f"{', '.join(sorted(compiling))} still compiling, not run yet"}
+        if not changed:  # else the launchers waited for are not the module's
+            _store_once_run(key, result, deferred)
     elif key is not None:
         _store_plan(key, result)
     return changed
+
+
+def _store_once_run(key: str, result: dict, launchers: dict) -> None:
+    """The plan stored under ``key`` once each of ``launchers`` (kernel name -> a template's
+    launcher, compiling in the background) has run its own kernel: at a later call of this
+    process, so that the next process finds the entry (without it, the second cold build
+    of the Llama layer extracted its plan again)."""
+    left = set(launchers)
+
+    def ran(name: str) -> None:
+        left.discard(name)
+        if not left:
+            result["report"].get("plan_cache", {}).pop("not_stored", None)
+            _store_plan(key, result)
+    for name, launcher in launchers.items():
+        launcher.on_checked = functools.partial(ran, name)
 
 
 def _finish(result: dict, plan, source: str, infos: list, captured, example_inputs, parallel: bool,

@@ -149,7 +149,8 @@ def test_without_the_pool_kernels_compile_at_their_first_launch(fresh_caches, ji
 def test_the_flash_template_compiles_in_the_background_while_its_twin_runs(fresh_caches, monkeypatch):
     """The flash template takes seconds to compile: the first call runs the portable
     attention kernel, no CUDA graph is recorded meanwhile (it would replay the twin for
-    good), and once the template is compiled the calls run it and record."""
+    good), and once the template is compiled the calls run it and record, and the plan
+    cache entry is stored."""
     import time
 
     from eqfuse.codegen import flash
@@ -177,6 +178,10 @@ def test_the_flash_template_compiles_in_the_background_while_its_twin_runs(fresh
     for _ in range(3):
         assert_matches(compiled(q, k, v), ex.fn(q, k, v))
     assert template._compiled and compiled._main.graphs.replays > 0
+    # Once the template has run, the entry is stored: the next build finds it
+    assert compiled.report["plan_cache"]["stored"] is True, compiled.report["plan_cache"]
+    again = eqfuse.compile(ex.fn, (q, k, v), autotune=False)
+    assert again.report["plan_cache"]["hit"] and again.source == compiled.source
 
 
 def test_the_driver_module_is_built_ahead_into_the_cache(tmp_path):

@@ -53,6 +53,47 @@ def test_a_deferred_launcher_runs_its_twin_until_it_is_ready():
     assert twin_calls == [3]
 
 
+def test_on_checked_is_told_once_the_kernel_itself_has_run():
+    x, y = torch.randn(8, 33), torch.randn(8, 33)
+    compiled = eqfuse.compile(scale_shift, (x, y))
+    (k,) = compiled.kernels
+    launcher = getattr(compiled._main.module, f"{k.name}_launch")
+    told = []
+    launcher.otherwise = lambda *tensors: None
+    launcher.on_checked = lambda: told.append(1)
+    launcher.deferred = True
+    compiled(x, y)  # the twin: nothing checked yet
+    assert told == []
+    launcher.deferred = False
+    for _ in range(2):
+        assert_matches(compiled(x, y), scale_shift(x, y))
+    assert told == [1] and launcher.on_checked is None
+
+
+def test_a_failing_on_checked_does_not_fail_the_call():
+    x, y = torch.randn(8, 33), torch.randn(8, 33)
+    compiled = eqfuse.compile(scale_shift, (x, y))
+    (k,) = compiled.kernels
+    launcher = getattr(compiled._main.module, f"{k.name}_launch")
+    launcher.on_checked = lambda: 1 / 0
+    assert_matches(compiled(x, y), scale_shift(x, y))
+
+
+def test_the_plan_is_stored_once_every_template_has_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from eqfuse import pipeline
+    stored = []
+    monkeypatch.setattr(pipeline, "_store_plan", lambda key, result: stored.append(key))
+    a, b = SimpleNamespace(on_checked=None), SimpleNamespace(on_checked=None)
+    result = {"report": {"plan_cache": {"stored": False, "not_stored": "a, b still compiling"}}}
+    pipeline._store_once_run("key", result, {"a": a, "b": b})
+    a.on_checked()
+    assert stored == []
+    b.on_checked()
+    assert stored == ["key"] and "not_stored" not in result["report"]["plan_cache"]
+
+
 @gpu
 def test_misaligned_input_gets_its_own_specialisation():
     """Triton specialises pointers on 16-byte alignment; the direct launcher must not reuse

@@ -113,7 +113,9 @@ class KernelLauncher:
     share a buffer the other kernel takes once). While ``deferred`` (a template still
     compiling in the background: parallel_compile._deferrable), ``otherwise`` runs; such a
     kernel skipped the first call's launch check (autotune.choose_configs), so while
-    ``unchecked``, a kernel that fails to load gives way to ``otherwise`` for good."""
+    ``unchecked``, a kernel that fails to load gives way to ``otherwise`` for good.
+    ``on_checked``: called once, after the kernel's own first launch has run (the build
+    stores its plan cache entry then: pipeline._store_once_run)."""
 
     def __init__(self, fn, grid: tuple, constexprs: dict, *, aligned: int = 0, otherwise=None,
                  picks: tuple | None = None, **options):
@@ -127,6 +129,7 @@ class KernelLauncher:
         self.interpreted = type(fn).__name__ == "InterpretedFunction"
         self.deferred = False
         self.unchecked = False
+        self.on_checked = None
         self._compiled: dict[tuple, _Compiled] = {}  # (device, each pointer 16-byte aligned?) -> kernel
 
     def __call__(self, *tensors):
@@ -134,6 +137,8 @@ class KernelLauncher:
             if self.deferred or self.need and self._alignment(tensors) & self.need != self.need:
                 return self.otherwise(*self._otherwise_args(tensors))
             self.fn[self.grid](*tensors, **self.constexprs, **self.options)
+            if self.on_checked is not None:
+                self._ran()
             return
         # Keyed like Triton's own cache: by the current device (kernels are loaded per device,
         # and, as with Triton's JIT, eqfuse launches on the current one) and pointer alignment,
@@ -159,11 +164,21 @@ class KernelLauncher:
                 log.warning("eqfuse: a kernel does not run on this device, its twin runs instead: %s", one_line(e))
                 self.deferred = True
                 return self.otherwise(*self._otherwise_args(tensors))
-            self.unchecked = False
+            self._ran()
             tail = tuple(self.constexprs[name] for name in self.fn.arg_names[len(tensors):])
             self._compiled[key] = _Compiled(kernel, self.grid, tail)
             return
         compiled(torch._C._cuda_getCurrentRawStream(device), ptrs, tensors)
+
+    def _ran(self) -> None:
+        """The kernel's own launch has run: checked, ``on_checked`` told (once)."""
+        self.unchecked = False
+        hook, self.on_checked = self.on_checked, None
+        if hook is not None:
+            try:
+                hook()
+            except Exception as e:  # noqa: BLE001 - the user's call must not fail over bookkeeping
+                log.warning("eqfuse: after %s first ran: %s", getattr(self.fn, "__name__", "a kernel"), one_line(e))
 
     def resolve(self, tensors) -> tuple[KernelLauncher, tuple]:
         """The launcher that runs for ``tensors``, and its arguments: this one, or, where an
