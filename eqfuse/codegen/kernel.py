@@ -563,13 +563,6 @@ class KernelWriter:
             return a  # narrow floats are computed in float32 already
         if dst == "bool":
             return self.assign(f"({a.expr} != 0)", a.axes)
-        if a.axes and ops.is_float(dst) and src.dtype == "int32" and \
-                (bound := masked_bound(src)) is not None and bound < EXACT_INTS[dst]:
-            # An integer of at most 23 bits, exact in dst: OR-ed into the mantissa of 2^23,
-            # less 2^23. Full-rate integer and float instructions in place of Hopper's
-            # quarter-rate conversions (int -> fp16 -> fp32: int4 weights unpacked in a
-            # matmul's prologue, where these conversions were most of the kernel's work)
-            return self.assign(f"(({a.expr}) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0", a.axes)
         if dst in ops.NARROW_FLOATS:
             if not a.axes:
                 return Val(f"{a.expr}", a.axes)
@@ -1054,30 +1047,6 @@ def _direct_reduces(node: PNode) -> list[PNode]:
             go(a)
     go(node)
     return found
-
-
-# Integers below these are exact in each float type (2^(mantissa bits + 1)); at most 2^23,
-# where the cast of _emit_cast's bit trick ends.
-EXACT_INTS = {"float16": 1 << 11, "bfloat16": 1 << 8, "float32": 1 << 23, "float64": 1 << 23}
-
-
-def masked_bound(node: PNode) -> int | None:
-    """The largest value of an integer ``x & c`` with a constant ``c >= 0`` (which bounds
-    it whatever ``x``: ``c``), seen through index maps; None for any other node."""
-    node = _through_index_maps(node)
-    if node.op != "binary" or node.attrs[0] != "bitand":
-        return None
-    for arg in map(_through_index_maps, node.args):
-        if arg.op == "const" and float(arg.attrs[0]).is_integer() and arg.attrs[0] >= 0:  # (held as floats)
-            return int(arg.attrs[0])
-    return None
-
-
-def _through_index_maps(node: PNode) -> PNode:
-    """The value under ``node``'s index maps (they move values, and change none)."""
-    while node.op in access.INDEX_MAPS:
-        node = node.args[0]
-    return node
 
 
 def compute_dtype(dtype: str) -> str:
