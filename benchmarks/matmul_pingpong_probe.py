@@ -1,7 +1,7 @@
 """Probe (one GPU run): a warp-specialised ping-pong matmul in Gluon, with a plugged-in
 epilogue, against cuBLAS, torch.compile and eqfuse's generated kernel.
 
-    python benchmarks/matmul_pingpong_probe.py [--out probe.json]
+    python benchmarks/matmul_pingpong_probe.py [--out probe.json] [--only NAME] [--clocks]
 
 Why: eqfuse's generated matmul kernels are plain Triton; after each tile's K loop the
 whole program runs the epilogue while the tensor cores idle, which leaves gelu(x@W+b) at
@@ -282,6 +282,12 @@ def workloads():
     for s in (4096, 8192):
         a, b = rand(s, s), rand(s, s)
         yield f"matmul {s}^3 fp16", mm, (a, b), _identity, (), 2 * s ** 3, {}
+    # GPT-2's MLP (8 x 1024 tokens, 768 -> 3072): a short K loop, so the epilogue is a
+    # larger share of each tile's time than above
+    x, w, bias = rand(8192, 768), rand(768, 3072), rand(3072)
+    yield ("gelu(x@W+b) 8192x3072x768 fp16", gelu_linear, (x, w, bias), _gelu, (bias,), 2 * 8192 * 3072 * 768,
+           {"identity epilogue": (_identity, (), 2, False),
+            "gelu tanh.approx epilogue": (_gelu_tanh, (bias,), 2, False)})
 
 
 def clocks(fn, seconds: float = 2.0) -> dict:
@@ -313,12 +319,15 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--clocks", action="store_true", help="also the SM clock and power while each contender runs")
+    p.add_argument("--only", default=None, help="a substring of the workloads' names to run")
     args = p.parse_args(argv)
     print(torch.cuda.get_device_name(), flush=True)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.uint8, device="cuda"))
     log: list = []
     bad = 0
     for name, fn, inputs, epilogue, epi_args, flops, extra in workloads():
+        if args.only and args.only not in name:
+            continue
         row = {"workload": name}
         try:
             want = fn(*inputs)
