@@ -41,10 +41,9 @@ lowest clock, 1380-1410 MHz) make it faster. libdevice's erff is already short (
 At GPT-2's MLP shape (8192 x 3072 x 768, a K loop of 12 steps; NVIDIA H100,
 results/matmul-pingpong-probe-gpt2-mlp_*): cuBLAS's product alone 62.8 us, eqfuse's
 generated kernel 96.5, torch.compile 106.2; this kernel 66.3 with no epilogue and 69.8
-with gelu's tanh form on tanh.approx (the overlap hides most of it, and this short K loop
-is not at the power cap: 1500 MHz, where the erf forms below ran at 1980 MHz and 600-620
-W), but 145.5 with the erf computed (the consumer's 128 x 128 accumulator leaves the erf
-too few registers). So the ping-pong schedule pays where K is short, given an epilogue
+with gelu's tanh form on tanh.approx (the overlap hides most of it), but 145.5 with the
+erf computed (at 1980 MHz and 600-620 W, so not held back by power: the consumer's
+128 x 128 accumulator leaves the erf too few registers). So the ping-pong schedule pays where K is short, given an epilogue
 the consumer can hold: the erf needs fewer live registers (a smaller subtile at a time)
 before code generation could offer this form.
 
