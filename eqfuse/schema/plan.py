@@ -131,7 +131,7 @@ class LibraryCall:
     """A step that runs a library routine where a generated kernel would add nothing: a
     plain matrix product as ``torch.<op>`` (mm, bmm: cuBLAS on a GPU, codegen/library.py)
     over views of the buffers it reads, writing its output into the planned buffer."""
-    name: str  # the kernel's it replaces
+    name: str  # the name of the kernel it replaces
     op: str  # mm | bmm
     operands: list  # [BufRef] the left and right matrices (stacks of them for bmm)
     out: Any  # BufRef of the output's buffer, as the product lays it out
