@@ -43,9 +43,9 @@ results/matmul-pingpong-probe-gpt2-mlp_*): cuBLAS's product alone 62.8 us, eqfus
 generated kernel 96.5, torch.compile 106.2; this kernel 66.3 with no epilogue and 69.8
 with gelu's tanh form on tanh.approx (the overlap hides most of it), but 145.5 with the
 erf computed (at 1980 MHz and 600-620 W, so not held back by power: the consumer's
-128 x 128 accumulator leaves the erf too few registers). So the ping-pong schedule pays where K is short, given an epilogue
-the consumer can hold: the erf needs fewer live registers (a smaller subtile at a time)
-before code generation could offer this form.
+128 x 128 accumulator leaves the erf too few registers). So the ping-pong schedule pays
+where K is short, given an epilogue the consumer can hold: the erf needs fewer live
+registers (a smaller subtile at a time) before code generation could offer this form.
 
 The epilogue is a ``@gluon.jit`` function passed as a constexpr: ``EPILOGUE(acc, mindex,
 nindex, *epi_args)`` returns the output tile; ``mindex`` and ``nindex`` are the rows and
