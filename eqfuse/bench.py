@@ -181,7 +181,8 @@ def run_workload(w: Workload, device: str, names: list[str], progress: Progress,
         row["contenders"][name] = {"compile_s_cold": round(cold, 2), "compile_s_warm": round(warm, 2),
                                    "matches_eager": ex.matches(fn(*inputs), ref, w.contraction)}
         if name == "eqfuse":
-            row["contenders"][name].update(kernels=len(fn.kernels), fallbacks=[str(f) for f in fn.fallbacks])
+            row["contenders"][name].update(kernels=len(fn.kernels), cublas_calls=len(fn.library_calls),
+                                           fallbacks=[str(f) for f in fn.fallbacks])
     timer = _timer(device)
     times: dict = {n: [] for n in fns}
     for r in range(ROUNDS):

@@ -80,7 +80,7 @@ def cmd_demo(args) -> int:
         header += f" {'eager us':>9s} {'eqfuse us':>9s}"
     print(header)
     print("-" * len(header))
-    failures = 0
+    failures = calls = 0
     for ex in EXAMPLES.values():
         torch.manual_seed(0)
         inputs = ex.make_inputs(*ex.demo_shape, dtype, device)
@@ -94,7 +94,9 @@ def cmd_demo(args) -> int:
         ok = matches(got, ref, contraction=ex.name in contractions, dtype=dtype)
         failures += not ok
         shape = "x".join(map(str, inputs[0].shape))
-        line = (f"{ex.name:24s} {shape:>13s} {len(compiled.kernels):>7d} {len(compiled.fallbacks):>9d} "
+        calls += len(compiled.library_calls)
+        kernels = str(len(compiled.kernels)) + (f"+{len(compiled.library_calls)}" if compiled.library_calls else "")
+        line = (f"{ex.name:24s} {shape:>13s} {kernels:>7s} {len(compiled.fallbacks):>9d} "
                 f"{err:>9.2e} {seconds:>9.2f}")
         if device == "cuda":
             import triton.testing
@@ -102,6 +104,8 @@ def cmd_demo(args) -> int:
             tq = triton.testing.do_bench(lambda: compiled(*inputs), return_mode="median") * 1e3
             line += f" {te:>9.1f} {tq:>9.1f}"
         print(line + ("" if ok else "   MISMATCH"))
+    if calls:
+        print("\nkernels k+c: k generated kernels and c cuBLAS calls (plain products; option cublas=False)")
     print(f"\n{len(EXAMPLES) - failures}/{len(EXAMPLES)} examples match eager")
     return 1 if failures else 0
 
