@@ -37,6 +37,7 @@ class Inspection:
     target: str  # "sm_90a", as the cubins are built
     note: str  # how the stages were made (on this GPU / ahead of time without one / not at all)
     kernels: list = field(default_factory=list)  # one summary dict per kernel
+    library_calls: list = field(default_factory=list)  # "name: torch.mm, shapes", nothing of eqfuse's to inspect
 
     def __str__(self) -> str:
         return (self.directory / "summary.txt").read_text()
@@ -67,7 +68,8 @@ def inspect_graph(compiled, directory=None, arch=None) -> Inspection:
         note = (f"compiled ahead of time for {triton_aot.sm_name(arch_num)}"
                 + ("" if torch.cuda.is_available() else " (no GPU here: Triton's compiler and bundled ptxas "
                    "need none); launching, timing and the driver's own register count need a GPU"))
-    result = Inspection(directory, triton_aot.sm_name(arch_num), note)
+    result = Inspection(directory, triton_aot.sm_name(arch_num), note,
+                        library_calls=[f"{c.name}: torch.{c.op}, {c.description}" for c in compiled.library_calls])
     infos = [k for k in compiled.kernels if 0 not in k.grid]
     requests = [triton_aot.KernelRequest(k.name, _signature(k, compiled.plan), dict(k.constexprs), dict(k.launch))
                 for k in infos]
@@ -82,7 +84,8 @@ def inspect_graph(compiled, directory=None, arch=None) -> Inspection:
         (directory / f"{info.name}.py").write_text(info.source)
         result.kernels.append(_kernel_summary(info, meta.get(info.name), directory, module_path, source))
     (directory / "summary.json").write_text(json.dumps(
-        {"target": result.target, "note": result.note, "kernels": result.kernels}, indent=1))
+        {"target": result.target, "note": result.note, "kernels": result.kernels,
+         "cublas_calls": result.library_calls}, indent=1))
     (directory / "summary.txt").write_text(_summary_text(result, source))
     return result
 
@@ -259,6 +262,8 @@ def _summary_text(result: Inspection, source: str) -> str:
     src = source.splitlines()
     out = [f"eqfuse inspect: {len(result.kernels)} kernel(s), target {result.target}: {result.note}",
            f"directory: {result.directory}", ""]
+    if result.library_calls:  # plain products: cuBLAS's kernels, not eqfuse's
+        out += [f"cuBLAS call {c}" for c in result.library_calls] + [""]
     for k in result.kernels:
         out.append(f"kernel {k['name']}: {k['schedule']}; grid {tuple(k['grid'])}")
         out.append(f"  FX nodes: {', '.join(k['fx_nodes']) or '-'}")

@@ -171,6 +171,13 @@ def test_export_refuses_library_calls(cublas, tmp_path):
         export_graph(eqfuse.compile(torch.matmul, [a, b]), tmp_path)
 
 
+def test_inspect_lists_the_calls(cublas, tmp_path):
+    a, b = torch.randn(33, 20), torch.randn(20, 17)
+    result = eqfuse.compile(lambda a, b: (a @ b).softmax(-1), [a, b]).inspect(tmp_path, arch="sm_90")
+    assert len(result.kernels) == 1 and result.library_calls == ["k0_mm: torch.mm, [33 x 20] @ [20 x 17] float32"]
+    assert "cuBLAS call k0_mm: torch.mm" in str(result)
+
+
 @pytest.mark.parametrize("layout, ok", [
     (((4, 5), (5, 1)), True),  # row-major
     (((4, 5), (1, 4)), True),  # column-major
