@@ -109,11 +109,17 @@ class Translator:
     def ivec(self, values):
         """``terms.ivec(values)``, made once per distinct vector: building an egglog term
         through its Python API costs about 0.2 ms, and a graph spells the same few shapes
-        and strides a thousand times (every new term's shape fact names one)."""
+        and strides a thousand times (every new term's shape fact names one).
+
+        Each vector is a global of the e-graph, which the terms refer to: spelled out
+        inside a term, a vector was seen stored with another's values (egglog 13.2: GPT-2's
+        training forward on an H100, ``PYTHONHASHSEED=9``, had ``Reshape(addmm_2,
+        Vec(8, 1024, 3072))`` come back from the e-graph, extracted or serialised, as
+        ``Vec(8, 3072, 3072)``; validation caught it, and the graph ran in eager)."""
         key = tuple(int(v) for v in values)
         vec = self._ivecs.get(key)
         if vec is None:
-            vec = self._ivecs[key] = self.t.ivec(key)
+            vec = self._ivecs[key] = self.egraph.let(f"vec_{len(self._ivecs)}", self.t.ivec(key))
         return vec
 
     # --- term construction -------------------------------------------------------------------
