@@ -90,6 +90,20 @@ def graphs() -> dict:
     return out
 
 
+@pytest.mark.parametrize("name", ["llama_forward", "llama_backward", "gpt2_forward", "gpt2_backward"])
+def test_every_reshape_keeps_its_element_count(graphs, name):
+    """A Reshape's vector has as many elements as its argument. egglog 13.2 once stored
+    one with another vector's values (GPT-2's training forward on an H100); since, the
+    translator lets each vector as a global of the e-graph (Translator.ivec)."""
+    view, tr = graphs[name]
+    types = Extractor(view, tr).types
+    reshapes = [n for nodes in view.classes.values() for n in nodes if n.op == "Reshape" and n.args[0] in types]
+    assert reshapes
+    for n in reshapes:
+        assert math.prod(n.args[1]) == math.prod(types[n.args[0]][0]), n
+    assert any(let.startswith("vec_") for let in view.lets)
+
+
 def _plan(cls, view, tr):
     plan, report = cls(view, tr).extract()
     return generate_module(plan, "g", "0")[0], plan.cost, plan.cost_unfused, report
