@@ -164,6 +164,18 @@ def test_plan_cache_key_holds_the_switch(monkeypatch):
     assert plan_cache._device_parts(torch.device("cpu")) != on
 
 
+def test_a_plan_cache_hit_keeps_the_calls(cublas, tmp_path, monkeypatch):
+    from eqfuse.runtime import plan_cache
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(plan_cache.ENV_SWITCH, "1")
+    a, b = torch.randn(33, 20), torch.randn(20, 17)
+    first = eqfuse.compile(_mm_softmax, [a, b])
+    again = eqfuse.compile(_mm_softmax, [a, b])
+    assert not first.report["plan_cache"]["hit"] and again.report["plan_cache"]["hit"]
+    assert [c.op for c in again.library_calls] == ["mm"] and again.source == first.source
+    assert_matches(again(a, b), _mm_softmax(a, b), contraction=True)
+
+
 def test_export_refuses_library_calls(cublas, tmp_path):
     from eqfuse.export import ExportError, export_graph
     a, b = torch.randn(17, 20), torch.randn(20, 9)
