@@ -42,10 +42,13 @@ At GPT-2's MLP shape (8192 x 3072 x 768, a K loop of 12 steps; NVIDIA H100,
 results/matmul-pingpong-probe-gpt2-mlp_*): cuBLAS's product alone 62.8 us, eqfuse's
 generated kernel 96.5, torch.compile 106.2; this kernel 66.3 with no epilogue and 69.8
 with gelu's tanh form on tanh.approx (the overlap hides most of it), but 145.5 with the
-erf computed (at 1980 MHz and 600-620 W, so not held back by power: the consumer's
-128 x 128 accumulator leaves the erf too few registers). So the ping-pong schedule pays
-where K is short, given an epilogue the consumer can hold: the erf needs fewer live
-registers (a smaller subtile at a time) before code generation could offer this form.
+erf computed (at 1980 MHz and 600-620 W, so not held back by power). Not from spills:
+compiled for sm_90 without a GPU (``triton.compile`` of ``_kernel`` through
+eqfuse.runtime.compile_worker.ast_source, then nv_tools.resource_usage on the cubin),
+the erf form split in two uses 168 registers and no local memory (in one piece, or in
+4 or 8 parts, a 272-byte stack); its PTX is 15.7k lines against the tanh form's 6.5k.
+Why the erf costs this much here is open. So the ping-pong schedule pays where K is
+short, given an epilogue as cheap as the tanh form's.
 
 The epilogue is a ``@gluon.jit`` function passed as a constexpr: ``EPILOGUE(acc, mindex,
 nindex, *epi_args)`` returns the output tile; ``mindex`` and ``nindex`` are the rows and
