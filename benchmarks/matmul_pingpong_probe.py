@@ -46,8 +46,10 @@ erf computed (at 1980 MHz and 600-620 W, so not held back by power). Not from sp
 compiled for sm_90 without a GPU (``triton.compile`` of ``_kernel`` through
 eqfuse.runtime.compile_worker.ast_source, then nv_tools.resource_usage on the cubin),
 the erf form split in two uses 168 registers and no local memory (in one piece, or in
-4 or 8 parts, a 272-byte stack); its PTX is 15.7k lines against the tanh form's 6.5k.
-Why the erf costs this much here is open. So the ping-pong schedule pays where K is
+4 or 8 parts, a 272-byte stack); its SASS is 19.7k lines against the tanh form's 7.3k
+(libdevice's erff, its branches if-converted: about 48 instructions an element, some 3.5
+us a 128 x 128 tile for one warpgroup, about the other consumer's K loop). Why the erf
+costs this much here is open. So the ping-pong schedule pays where K is
 short, given an epilogue as cheap as the tanh form's.
 
 The epilogue is a ``@gluon.jit`` function passed as a constexpr: ``EPILOGUE(acc, mindex,
