@@ -69,7 +69,7 @@ def inspect_graph(compiled, directory=None, arch=None) -> Inspection:
                 + ("" if torch.cuda.is_available() else " (no GPU here: Triton's compiler and bundled ptxas "
                    "need none); launching, timing and the driver's own register count need a GPU"))
     result = Inspection(directory, triton_aot.sm_name(arch_num), note,
-                        library_calls=[f"{c.name}: torch.{c.op}, {c.description}" for c in compiled.library_calls])
+                        library_calls=[str(c) for c in compiled.library_calls])
     infos = [k for k in compiled.kernels if 0 not in k.grid]
     requests = [triton_aot.KernelRequest(k.name, _signature(k, compiled.plan), dict(k.constexprs), dict(k.launch))
                 for k in infos]

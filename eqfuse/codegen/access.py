@@ -69,16 +69,22 @@ def address_step(load: PNode, env: Env, index: str, point: dict) -> int:
     return there - here
 
 
+def meta_view(shape, strides, offset: int = 0):
+    """A meta tensor (no memory) viewing ``shape`` at ``strides`` and ``offset``: torch
+    then works out what views of it keep a view."""
+    import torch
+    extent = offset + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+    return torch.empty(extent, device="meta").as_strided(shape, strides, offset)
+
+
 def strided_view(node: PNode):
     """``(buffer, meta tensor)``: the strides and offset at which ``node`` reads its buffer,
     where it is a load under index maps torch can express as a view; None otherwise. A
     meta tensor keeps strides and offsets through slices, permutes, views and expands,
     without memory."""
-    import torch
     if node.op == "load":
         buf, strides, offset = node.attrs
-        extent = offset + sum((n - 1) * s for n, s in zip(node.shape, strides)) + 1
-        return buf, torch.empty(extent, device="meta").as_strided(node.shape, strides, offset)
+        return buf, meta_view(node.shape, strides, offset)
     if node.op not in INDEX_MAPS:
         return None
     inner = strided_view(node.args[0])

@@ -31,7 +31,7 @@ from __future__ import annotations
 from ..runtime.cache import switched_on
 from ..schema.from_fx import BufRef
 from ..schema.plan import KernelSpec, LibraryCall, Plan, PNode
-from .access import strided_view
+from .access import meta_view, strided_view
 
 ENV = "EQFUSE_CUBLAS"
 DTYPES = ("float16", "bfloat16", "float32")
@@ -96,9 +96,7 @@ def blas_layout(shape, strides) -> bool:
 def _product_output(root: PNode, buffer) -> tuple:
     """(the product under ``root``'s reshapes and permutes, the meta view of ``buffer``
     it would be written through), or (None, None) where ``root`` is something else."""
-    import torch
-    extent = 1 + sum((n - 1) * s for n, s in zip(buffer.shape, buffer.layout))
-    view = torch.empty(extent, device="meta").as_strided(buffer.shape, buffer.layout)
+    view = meta_view(buffer.shape, buffer.layout)
     node = root
     try:
         while node.op in ("reshape", "permute"):

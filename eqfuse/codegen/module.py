@@ -7,7 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..schema import ops
-from ..schema.plan import FallbackStep, KernelSpec, LibraryCall, Plan, last_uses, returned_buffers, step_reads
+from ..schema.plan import (
+    FallbackStep,
+    KernelSpec,
+    LibraryCall,
+    Plan,
+    last_uses,
+    returned_buffers,
+    step_reads,
+    step_writes,
+)
 from . import kernel as kgen
 from .kmajor import kmajor_operands
 from .library import library_products
@@ -159,20 +168,18 @@ def call_lines(plan: Plan, infos: list, size: str = "") -> tuple[list, list]:
     for index, step in enumerate(plan.steps):
         if index in freed_after:  # after the previous step: the caching allocator reuses their memory
             body.append(f"del {', '.join(freed_after[index])}")
-        if isinstance(step, KernelSpec):
-            info = by_name[step.name]
-            for _, buf in step.roots:
+        if not isinstance(step, FallbackStep):  # an eager step makes its outputs itself
+            for buf in step_writes(step):
                 if buf not in allocated:
                     body.append(_allocation(plan.buffers[buf]))
                     allocated.add(buf)
+        if isinstance(step, KernelSpec):
+            info = by_name[step.name]
             if 0 in info.grid:
                 body.append(f"# {info.name}: nothing to compute (zero-size)")
                 continue
             body.append(f"{info.name}_launch({', '.join(([size] if size else []) + info.params)})")
         elif isinstance(step, LibraryCall):
-            if step.out.buf not in allocated:
-                body.append(_allocation(plan.buffers[step.out.buf]))
-                allocated.add(step.out.buf)
             a, b = (strided(v) for v in step.operands)
             body.append(f"torch.{step.op}({a}, {b}, out={strided(step.out)})  # {step.name}")
         else:

@@ -310,7 +310,7 @@ class _Variant:
             lines.append(f"  kernel {k.name}: {k.schedule.describe()}{runs}; grid {k.grid}, {k.constexprs}")
             lines.append(f"      computes FX nodes: {', '.join(k.fx_nodes) or '-'}")
         for c in self.library_calls:
-            lines.append(f"  cuBLAS {c.name}: torch.{c.op}, {c.description}")
+            lines.append(f"  cuBLAS {c}")
             lines.append(f"      computes FX nodes: {', '.join(c.fx_nodes) or '-'}")
         for f in self.fallbacks:
             lines.append(f"  eager: {f}")

@@ -138,6 +138,9 @@ class LibraryCall:
     description: str  # for explain(): the product's shapes and dtype
     fx_nodes: list = field(default_factory=list)
 
+    def __str__(self) -> str:
+        return f"{self.name}: torch.{self.op}, {self.description}"
+
 
 @dataclass
 class Plan:
