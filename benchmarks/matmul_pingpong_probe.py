@@ -49,8 +49,20 @@ the erf form split in two uses 168 registers and no local memory (in one piece, 
 4 or 8 parts, a 272-byte stack); its SASS is 19.7k lines against the tanh form's 7.3k
 (libdevice's erff, its branches if-converted: about 48 instructions an element, some 3.5
 us a 128 x 128 tile for one warpgroup, about the other consumer's K loop). Why the erf
-costs this much here is open. So the ping-pong schedule pays where K is
-short, given an epilogue as cheap as the tanh form's.
+costs this much here was open until the next probe.
+
+Why (same H100, results/matmul-pingpong-probe-chunked_*): the instruction cache. Each
+consumer warpgroup runs its own copy of the epilogue's code, unrolled over its whole
+tile: two copies of the erf's, about 300 KB, do not fit, and the epilogue waits for its
+instructions. A chunked epilogue (SPLIT 0: the float32 accumulator through shared memory,
+then the epilogue in a loop over 16-row chunks, one chunk's code) shrank the kernel's SASS
+from 19.7k to 4.6k lines and ran the erf form in 85.7 us (the bias added first and the
+tile stored in fp16, 4 stages) or 98.6 (the accumulator in fp32, which leaves room for 3
+stages only), against the generated kernel's 96.4. Generated Triton kernels do not suffer
+it: all warps run one copy in step (a runtime loop over the epilogue's column parts in
+place of the unrolled halves ran 103-107 us against 97). gelu's tanh form as eqfuse writes
+tanh (2 sigmoid(2u) - 1) ran 74.4 in halves and 86.8 chunked, against 86.1 generated: that
+form is what eqfuse now runs as codegen/matmul_hopper.py, an autotuning candidate.
 
 The epilogue is a ``@gluon.jit`` function passed as a constexpr: ``EPILOGUE(acc, mindex,
 nindex, *epi_args)`` returns the output tile; ``mindex`` and ``nindex`` are the rows and
@@ -137,7 +149,7 @@ def _epilogue(acc, m0, n0, staging, EPILOGUE: gl.constexpr, epi_args, BLOCK_M: g
 
 
 @gluon.jit
-def _consumer(c_desc, a_smem, b_smem, c_smem, ready, empty, turn, WHICH: gl.constexpr, EPILOGUE: gl.constexpr,
+def _consumer(c_desc, a_smem, b_smem, c_smem, chunked, ready, empty, turn, WHICH: gl.constexpr, EPILOGUE: gl.constexpr,
               epi_args, K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr, SPLIT: gl.constexpr):
@@ -182,10 +194,31 @@ def _consumer(c_desc, a_smem, b_smem, c_smem, ready, empty, turn, WHICH: gl.cons
                       epi_args, BLOCK_M, BLOCK_N // 2)
             _epilogue(right, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2,
                       staging.slice(BLOCK_N // 2, BLOCK_N // 2, dim=1), EPILOGUE, epi_args, BLOCK_M, BLOCK_N // 2)
+        elif SPLIT == 0:
+            # The float32 accumulator into shared memory, then EPILOGUE on chunks of SUB rows
+            # in a loop, so that its code is one chunk's, not the whole tile's (two copies of
+            # a whole tile's erf overflowed the instruction cache: 145.5 us against 85.7);
+            # each chunk stored to global memory from its own layout.
+            # epi_args: (c_ptr, N, the epilogue's own...).
+            SUB: gl.constexpr = 16
+            NCH: gl.constexpr = BLOCK_M // SUB
+            gl.thread_barrier()
+            chunked.slice(WHICH * BLOCK_M, BLOCK_M).store(acc)
+            chunks = chunked._reinterpret(gl.float32, [2 * NCH, SUB, BLOCK_N], chunked.layout)
+            gl.thread_barrier()
+            rows: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+            r = gl.arange(0, SUB, layout=gl.SliceLayout(1, rows))[:, None]
+            nindex = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows))[None, :]
+            for i in range(NCH):
+                x = chunks.index(WHICH * NCH + i).load(rows)
+                mindex = pid_m * BLOCK_M + i * SUB + r
+                y = EPILOGUE(x, mindex, nindex, *epi_args[2:])
+                gl.store(epi_args[0] + mindex * epi_args[1] + nindex, y.to(c_desc.dtype))
         else:
             _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, staging, EPILOGUE, epi_args, BLOCK_M, BLOCK_N)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], staging)
+        if SPLIT != 0:
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], staging)
         j += 2
     tma.store_wait(0)
 
@@ -203,7 +236,13 @@ def matmul_pingpong(a_desc, b_desc, c_desc, EPILOGUE: gl.constexpr, epi_args,
     TILES_N: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    if SPLIT == 0:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [1, 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        chunked = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M, BLOCK_N],
+                                            gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    else:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+        chunked = c_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -213,10 +252,10 @@ def matmul_pingpong(a_desc, b_desc, c_desc, EPILOGUE: gl.constexpr, epi_args,
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_smem, b_smem, c_smem, ready, empty, turn, 0, EPILOGUE, epi_args, K, BLOCK_M, BLOCK_N,
-                     BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, SPLIT)),
-        (_consumer, (c_desc, a_smem, b_smem, c_smem, ready, empty, turn, 1, EPILOGUE, epi_args, K, BLOCK_M, BLOCK_N,
-                     BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, SPLIT)),
+        (_consumer, (c_desc, a_smem, b_smem, c_smem, chunked, ready, empty, turn, 0, EPILOGUE, epi_args, K,
+                     BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, SPLIT)),
+        (_consumer, (c_desc, a_smem, b_smem, c_smem, chunked, ready, empty, turn, 1, EPILOGUE, epi_args, K,
+                     BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, SPLIT)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, K, BLOCK_M, BLOCK_N, BLOCK_K,
                    TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -230,6 +269,15 @@ CONFIGS = [(128, 128, 4), (128, 128, 5), (64, 256, 4)]
 def _gelu(acc, mindex, nindex, bias):
     x = acc + gl.load(bias + nindex).to(gl.float32)
     return x * 0.5 * (1.0 + gl.erf(x * 0.7071067811865476))
+
+
+@gluon.jit
+def _gelu_tanh_sigmoid(acc, mindex, nindex, bias):
+    """gelu's tanh form as eqfuse writes tanh (2 sigmoid(2u) - 1, exact to float32 rounding)."""
+    x = acc + gl.load(bias + nindex).to(gl.float32)
+    u = x * 0.7978845608028654 * (1.0 + 0.044715 * x * x)
+    t = 2.0 / (1.0 + gl.exp(-2.0 * u)) - 1.0
+    return x * 0.5 * (1.0 + t)
 
 
 @gluon.jit
@@ -268,6 +316,9 @@ def template(a, b, epilogue, epi_args, bm, bn, stages, programs=None, split=2):
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     programs = min(programs or sm_count(), tiles)
 
+    if split == 0:
+        epi_args = (c, n) + tuple(epi_args)
+
     def run():
         _kernel[(programs,)](a, b, c, epilogue, epi_args, m, n, k, bm, bn, 64, 8, stages, programs, split,
                              num_warps=4, maxnreg=MAXNREG)
@@ -290,7 +341,8 @@ def workloads():
     x, w, bias = rand(8192, 4096), rand(4096, 4096), rand(4096)
     extra = {"identity epilogue": (_identity, (), 2, False),
              "gelu tanh.approx epilogue": (_gelu_tanh, (bias,), 2, False),
-             "gelu, epilogue not split (spills)": (_gelu, (bias,), 1, True)}
+             "gelu, epilogue not split (spills)": (_gelu, (bias,), 1, True),
+             "gelu, chunked epilogue": (_gelu, (bias,), 0, True)}
     yield ("gelu(x@W+b) 8192x4096x4096 fp16", gelu_linear, (x, w, bias), _gelu, (bias,), 2 * 8192 * 4096 * 4096,
            extra)
     for s in (4096, 8192):
@@ -301,7 +353,10 @@ def workloads():
     x, w, bias = rand(8192, 768), rand(768, 3072), rand(3072)
     yield ("gelu(x@W+b) 8192x3072x768 fp16", gelu_linear, (x, w, bias), _gelu, (bias,), 2 * 8192 * 3072 * 768,
            {"identity epilogue": (_identity, (), 2, False),
-            "gelu tanh.approx epilogue": (_gelu_tanh, (bias,), 2, False)})
+            "gelu tanh.approx epilogue": (_gelu_tanh, (bias,), 2, False),
+            "gelu, chunked epilogue": (_gelu, (bias,), 0, True),
+            "gelu tanh (sigmoid), chunked epilogue": (_gelu_tanh_sigmoid, (bias,), 0, False),
+            "gelu tanh (sigmoid) epilogue": (_gelu_tanh_sigmoid, (bias,), 2, False)})
 
 
 def clocks(fn, seconds: float = 2.0) -> dict:
@@ -361,7 +416,7 @@ def main(argv=None):
                     print(f"{name} {key}: max abs error {err}", flush=True)
                 fns[key] = run
             for key, (epi, e_args, split, check) in extra.items():
-                run = template(inputs[0], inputs[1], epi, e_args, 128, 128, 4, split=split)
+                run = template(inputs[0], inputs[1], epi, e_args, 128, 128, 3 if split == 0 else 4, split=split)
                 if check:
                     row[f"{key} max_abs_err"] = round((run().float() - want.float()).abs().max().item(), 5)
                 fns[f"template 128x128 stages 4, {key}"] = run

@@ -37,7 +37,7 @@ from ..errors import Unschedulable
 from ..rewrite.cost import device_model
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
-from . import access, pointwise, tiles, tma
+from . import access, pingpong, pointwise, tiles, tma
 from .indexing import (
     Env,
     Idx,
@@ -1106,6 +1106,8 @@ def column_config(rows: int, block_r: int | None = None, warps: int = 4) -> dict
 def fits(sched: Schedule, cfg: dict) -> bool:
     """Whether a configuration is one this schedule can run with (a tuned config read back
     from a cache is checked, never trusted)."""
+    if sched.kind == "matmul" and "PINGPONG" in cfg:
+        return pingpong.runnable(cfg, sched)
     if sched.kind == "matmul":
         return tiles.runnable(cfg, sched)
     if sched.kind == "attention":
@@ -1125,7 +1127,7 @@ def tuning_candidates(sched: Schedule) -> list[dict]:
     if sched.kind == "matmul":
         ranked = tiles.ranked(sched)
         both = any("PROGRAMS" in c for c in ranked)
-        return ranked[:MATMUL_FINALISTS_TMA if both else MATMUL_FINALISTS]
+        return ranked[:MATMUL_FINALISTS_TMA if both else MATMUL_FINALISTS] + pingpong.candidates(sched)
     if sched.kind == "attention":
         from . import attention
         return attention.candidates(sched)
@@ -1167,6 +1169,8 @@ def unaligned_config(sched: Schedule, cfg: dict) -> dict:
     if cfg.get("FLASH"):
         from . import attention
         return next(c for c in attention.candidates(sched) if "FLASH" not in c)
+    if cfg.get("PINGPONG"):
+        return pingpong.pointer_config(cfg)
     return {k: v for k, v in cfg.items() if k != "PROGRAMS"}
 
 
@@ -1211,6 +1215,11 @@ def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
         if g is not None:
             return g
         cfg = unaligned_config(sched, cfg)  # the portable kernel (the default may be the template)
+    if cfg.get("PINGPONG"):
+        g = pingpong.generate(spec, sched, buffers, cfg, runtime)
+        if g is not None:
+            return g
+        cfg = unaligned_config(sched, cfg)
     if sched.kind == "attention":
         from .attention import AttentionWriter
         w = AttentionWriter(spec, buffers, sched, runtime)

@@ -32,18 +32,40 @@ import types
 # each name it imports from eqfuse (the launchers; a template kernel, codegen/flash_hopper.py,
 # whose compile jobs name the template's own file).
 STUBS = {"import torch": "torch = None"}
-_EQFUSE_IMPORT = re.compile(r"from eqfuse\.[\w.]+ import (\w+)(?: as (\w+))?$")
+_EQFUSE_IMPORT = re.compile(r"from (eqfuse\.[\w.]+) import (\w+)(?: as (\w+))?$")
 
 
 def _stub(*args, **kwargs):
     return None
 
 
+# eqfuse's template modules that a generated kernel calls into (codegen/matmul_hopper.py: the
+# ping-pong template around a generated epilogue); they import only Triton, so the worker
+# loads them from their files, as the JIT of the process that sent the job imported them.
+TEMPLATES = {"eqfuse.codegen.matmul_hopper": "codegen/matmul_hopper.py"}
+
+
 def _stubbed(line: str) -> str:
     if line in STUBS:
         return STUBS[line]
     m = _EQFUSE_IMPORT.match(line)
-    return f"{m.group(2) or m.group(1)} = _eqfuse_stub" if m else line
+    if m and m.group(1) in TEMPLATES:
+        return f"{m.group(3) or m.group(2)} = _eqfuse_template({m.group(1)!r}).{m.group(2)}"
+    return f"{m.group(3) or m.group(2)} = _eqfuse_stub" if m else line
+
+
+def _template(module: str):
+    """The template module ``module`` (one of TEMPLATES), loaded once from its file."""
+    import importlib.util
+
+    name = f"eqfuse_compile_worker_template_{module.rsplit('.', 1)[-1]}"
+    if name not in sys.modules:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, TEMPLATES[module]))
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[name] = loaded
+        spec.loader.exec_module(loaded)
+    return sys.modules[name]
 
 
 def ast_source(fn, signature, constexprs, attrs):
@@ -66,6 +88,7 @@ def load_kernels(path: str, modules: dict):
         module = types.ModuleType(f"eqfuse_compile_worker_{len(modules)}")
         module.__file__ = path
         module.__dict__["_eqfuse_stub"] = _stub
+        module.__dict__["_eqfuse_template"] = _template
         sys.modules[module.__name__] = module
         exec(compile(text, path, "exec"), module.__dict__)
         modules[path] = module

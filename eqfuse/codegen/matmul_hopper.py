@@ -1,0 +1,199 @@
+"""The Hopper ping-pong matmul template (Gluon), with a kernel's own epilogue plugged in.
+
+A persistent program per SM runs three partitions: a loader warp streams A and B tiles
+through a ring of shared-memory slots with TMA; two consumer warpgroups take alternate
+output tiles. A consumer runs its tile's K loop on the tensor cores (``wgmma``), hands the
+tensor cores to the other through a pair of mbarriers (its turn), then runs the epilogue
+while the other's K loop runs: the epilogue is hidden behind the products, which plain
+Triton does not do (its whole program runs the epilogue with the tensor cores idle). The
+turns also keep a consumer from waiting on a ring slot two fills ahead, where an
+mbarrier's phase parity cannot tell the fill it wants from the one before.
+
+The epilogue is a ``@gluon.jit`` function passed as a constexpr (codegen/pingpong.py
+writes it from the kernel's plan): ``EPILOGUE(acc, mindex, nindex, M, N, *epi_args)``
+returns the output tile for half a consumer's accumulator (``[BLOCK_M, BLOCK_N / 2]``,
+float32); ``mindex`` and ``nindex`` are its rows and columns in the accumulator's layout,
+so that loads made from them come back in it. The output is staged in shared memory and
+stored by TMA, which drops what falls past M and N; TMA reads zeros past them and past K.
+
+Measured (NVIDIA H100, benchmarks/matmul_pingpong_probe.py, GPT-2's MLP shape 8192 x 3072
+x 768 fp16 with a bias and gelu's tanh form as eqfuse writes tanh): 74.4 us against the
+generated Triton kernel's 86.1 and cuBLAS's product alone 62.4. Where K is long the K loop
+dominates and the template's 128 x 128 tiles lose to Triton's 128 x 256 (gelu(x@W+b) at
+8192 x 4096 x 4096: 477 against 448), and an epilogue whose code is large (libdevice's
+erf, about 47 instructions an element) runs slower here than in Triton (146 against 96
+us at GPT-2's shape): each consumer has its own copy of the epilogue's code, and the two
+overflow the instruction cache. The autotuner times the template beside the Triton
+kernels and keeps the faster.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# Registers a thread: at launch, 12 warps (the loader's warp counts as a warpgroup) x 32 x
+# 168 fit the SM's 64K; then the loader gives back most of its own to the consumers.
+MAXNREG = 168
+CONSUMER_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+
+
+@gluon.jit
+def sigmoid(x):
+    """``tl.sigmoid``'s formula (Gluon has none)."""
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def _tile(tile, TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Output tile number -> (tile row, tile column), in groups of GROUP_M tile rows:
+    tiles that run at once read the same operand tiles, which then come from L2."""
+    group = tile // (GROUP_M * TILES_N)
+    rows = gl.minimum(TILES_M - group * GROUP_M, GROUP_M)
+    pid_m = group * GROUP_M + (tile % (GROUP_M * TILES_N)) % rows
+    pid_n = (tile % (GROUP_M * TILES_N)) // rows
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty,
+            K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+            PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """One warp: the A and B tiles of each of the program's output tiles, K step by K step,
+    into the ring as soon as a consumer has released the slot. A fresh mbarrier counts as
+    having completed the phase before its first: the first pass does not wait."""
+    KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    g = 0  # ring fills, over all tiles
+    for tile in range(gl.program_id(0), TILES_M * TILES_N, PROGRAMS):
+        pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
+        for kk in range(KT):
+            slot = g % STAGES
+            mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(slot),
+                                            a_smem.index(slot))
+            if B_KMAJOR:
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(slot),
+                                                b_smem.index(slot))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [kk * BLOCK_K, pid_n * BLOCK_N], ready.index(slot),
+                                                b_smem.index(slot))
+            g += 1
+
+
+@gluon.jit
+def _epilogue(acc, m0, n0, staging, EPILOGUE: gl.constexpr, epi_args, M: gl.constexpr, N: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The epilogue of the ``[BLOCK_M, BLOCK_N]`` part of a tile at (m0, n0), into its
+    place in the staging tile."""
+    layout: gl.constexpr = acc.type.layout
+    mindex = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))[:, None]
+    nindex = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
+    out = EPILOGUE(acc, mindex, nindex, M, N, *epi_args)
+    staging.store(out.to(staging.dtype))
+
+
+@gluon.jit
+def _consumer(c_desc, a_smem, b_smem, c_smem, ready, empty, turn, WHICH: gl.constexpr, EPILOGUE: gl.constexpr,
+              epi_args, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, TILES_M: gl.constexpr, TILES_N: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """One warpgroup: the program's tiles WHICH, WHICH + 2, ...: the K loop on the tensor
+    cores (one product in flight while the next slot's data is awaited), then the
+    epilogue in two halves along N (half the epilogue's temporaries live at once: in one
+    piece erf's spilled), staged in shared memory and stored by TMA."""
+    KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=layout)
+    staging = c_smem.index(WHICH)
+    j = WHICH  # the program's j-th tile
+    for tile in range(gl.program_id(0) + WHICH * PROGRAMS, TILES_M * TILES_N, 2 * PROGRAMS):
+        pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
+        g = j * KT
+        acc = zero
+        # This consumer's turn: the other has issued its last tile's products. The first
+        # tile of consumer 0 waits for the phase before a fresh barrier's first: no wait.
+        mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
+        for kk in range(KT):
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            if B_KMAJOR:
+                b = b_smem.index(slot).permute((1, 0))
+            else:
+                b = b_smem.index(slot)
+            acc = warpgroup_mma(a_smem.index(slot), b, acc, use_acc=kk > 0, is_async=True)
+            # Wait for the previous product only: its slot goes back to the loader.
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            if kk > 0:
+                mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+            g += 1
+        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+
+        tma.store_wait(0)  # this warpgroup's last tile has left the staging tile
+        halves = gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
+        left, right = gl.split(halves)
+        _epilogue(left, pid_m * BLOCK_M, pid_n * BLOCK_N, staging.slice(0, BLOCK_N // 2, dim=1), EPILOGUE,
+                  epi_args, M, N, BLOCK_M, BLOCK_N // 2)
+        _epilogue(right, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2,
+                  staging.slice(BLOCK_N // 2, BLOCK_N // 2, dim=1), EPILOGUE, epi_args, M, N, BLOCK_M, BLOCK_N // 2)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], staging)
+        j += 2
+    tma.store_wait(0)
+
+
+@gluon.jit
+def matmul_pingpong(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
+                    M: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
+                    SA: gl.constexpr, SB: gl.constexpr, SC: gl.constexpr, B_KMAJOR: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
+    """``C = EPILOGUE(A @ B)`` for A ``[M, K]`` (row stride SA), B ``[K, N]`` (row stride
+    SB), or B given as ``[N, K]`` where B_KMAJOR, C ``[M, N]`` (row stride SC); unit inner
+    strides, 16-byte aligned addresses and strides. Called by a generated ``@gluon.jit``
+    kernel launched on PROGRAMS programs with ``num_warps=4`` and ``maxnreg=MAXNREG``."""
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    out: gl.constexpr = c_ptr.dtype.element_ty
+    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[SA, 1], block_shape=[BLOCK_M, BLOCK_K],
+                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    if B_KMAJOR:
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[SB, 1], block_shape=[BLOCK_N, BLOCK_K],
+                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype))
+    else:
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[SB, 1], block_shape=[BLOCK_K, BLOCK_N],
+                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[SC, 1], block_shape=[BLOCK_M, BLOCK_N],
+                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], out))
+    TILES_M: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
+    TILES_N: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(out, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (c_desc, a_smem, b_smem, c_smem, ready, empty, turn, 0, EPILOGUE, epi_args, M, N, K, BLOCK_M,
+                     BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
+        (_consumer, (c_desc, a_smem, b_smem, c_smem, ready, empty, turn, 1, EPILOGUE, epi_args, M, N, K, BLOCK_M,
+                     BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
+        (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                   TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

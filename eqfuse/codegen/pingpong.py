@@ -1,0 +1,197 @@
+"""When a matmul kernel may run as the Hopper ping-pong template (codegen/matmul_hopper.py),
+and its source: the template called with the kernel's own epilogue.
+
+The template computes one product of two half-precision operands read as stored (A with K
+contiguous; B with N or K contiguous; strides and offsets TMA takes) and stores one output
+tile of a 16-bit dtype through TMA; whatever the plan computes from the accumulator (a
+bias, an activation, a residual, a cast) is its epilogue. That epilogue is the one the
+Triton kernel would run: ``KernelWriter`` writes it, and its lines are spelled in Gluon,
+whose operators have the same names (``gl.load``, ``gl.erf``...) and semantics. An epilogue
+that uses anything else (a constant tile, a reduction, an operator Gluon lacks), a batch,
+a second product or a second output keeps the Triton kernel.
+
+The template is one autotuning candidate among the Triton kernel's, offered on Hopper
+(compute capability 9.0, compiled): it hides the epilogue behind the next tile's K loop,
+which pays where K is short (GPT-2's MLP: 8192 x 3072 x 768 with bias and tanh-form gelu,
+74.4 us against 86.1), and loses where K is long or the epilogue's code is large
+(matmul_hopper's docstring).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+from ..schema import ops
+from ..schema.plan import KernelSpec
+from . import tma
+
+# The template's configuration: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES) of a consumer's tile
+# (128 float32 accumulator registers a thread) and the ring's depth
+TILE = (128, 128, 64, 4)
+GROUP_M = 8
+# Triton operators that Gluon has under the same name and with the same semantics; and
+# those written otherwise
+SAME_IN_GLUON = {"load", "where", "maximum", "minimum", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "erf",
+                 "abs", "floor", "ceil", "sin", "cos", "fma", "float16", "bfloat16", "float32", "float64", "int1",
+                 "int8", "int16", "int32", "int64", "uint8"}
+OWN = {"sigmoid": "pingpong_sigmoid"}
+INDEX_NAMES = {"mindex", "nindex", "mmask", "nmask", "M", "N"}
+
+
+@dataclass(frozen=True)
+class Form:
+    a: tma.Box  # [M, K], K contiguous
+    b: tma.Box  # [K, N] (inner "nindex") or [N, K] (inner "kindex_b")
+    out: tma.Box  # [M, N], N contiguous
+    acc: str  # the accumulator's name in the epilogue's lines
+    lines: tuple  # the epilogue in Gluon, ending in ``return``
+    args: tuple  # buffers the epilogue reads
+
+
+def eligible(sched) -> bool:
+    """The schedule's side of the template's conditions (the rest needs the buffers):
+    one unbatched half-precision product whose operands TMA can read."""
+    return sched.kind == "matmul" and sched.dots == 1 and not sched.batch and sched.tma and \
+        sched.dot_dtype in ("float16", "bfloat16") and not sched.gathered
+
+
+def form(spec: KernelSpec, sched, buffers: dict) -> Form | None:
+    """The template's view of a matmul kernel, or None where the template cannot run it."""
+    from .kernel import KernelWriter, _operand_sides, operand_box
+
+    if not eligible(sched) or len(spec.roots) != 1:
+        return None
+    dot = next(n for n in spec.walk() if n.op == "dot")
+    (_, a_env, a_atoms), (_, b_env, b_atoms) = _operand_sides(sched)
+    a, b = operand_box(dot.args[0], a_env, a_atoms), operand_box(dot.args[1], b_env, b_atoms)
+    if a is None or b is None or a.inner != "kindex_a" or a.batch or b.batch:
+        return None
+    root, buf = spec.roots[0]
+    out_buf = buffers[buf]
+    if ops.itemsize(out_buf.dtype) != 2 or out_buf.kind == "input":
+        return None
+    w = KernelWriter(spec, buffers, sched)
+    if w.index_dtype_cast:  # the template's indices are 32-bit
+        return None
+    env = w.root_env(root)
+    affine = tma.atom_strides(env, out_buf.layout, root.shape)
+    out = tma.box(buf, 2, 0, affine, "mindex", "nindex")
+    if out is None or out.inner != "nindex":
+        return None
+    w.matmul_head({"BLOCK_M": TILE[0], "BLOCK_N": TILE[1], "BLOCK_K": TILE[2], "GROUP_M": GROUP_M})
+    w.emit_dots()
+    start = len(w.lines)
+    value = w.emit(root, env)
+    if value.axes != frozenset("mn"):
+        return None
+    lines = w.lines[start:] + [f"return ({value.expr}).to(gl.{out_buf.dtype})"]
+    accs = set(re.findall(r"\bacc\d+\b", "\n".join(lines)))
+    if len(accs) != 1:
+        return None
+    acc = accs.pop()
+    gluon = _in_gluon(lines, acc, set(buffers))
+    if gluon is None:
+        return None
+    lines, args = gluon
+    return Form(a, b, out, acc, tuple(lines), tuple(args))
+
+
+def _in_gluon(lines: list, acc: str, buffers: set) -> tuple | None:
+    """(the lines spelled in Gluon, the buffers they read), or None where a line uses an
+    operator Gluon lacks, or a name the epilogue does not define (a value of the K loop)."""
+    out = []
+    for line in lines:
+        for name in re.findall(r"\btl\.(\w+)", line):
+            if name not in SAME_IN_GLUON and name not in OWN:
+                return None
+        line = re.sub(r"\btl\.(\w+)", lambda m: OWN.get(m.group(1), f"gl.{m.group(1)}"), line)
+        out.append(line)
+    try:
+        tree = ast.parse("def epilogue():\n" + "\n".join("    " + line for line in out))
+    except SyntaxError:
+        return None
+    defined = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
+               if isinstance(t, ast.Name)}
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    args = sorted(used & buffers)
+    unknown = used - defined - set(args) - INDEX_NAMES - {acc, "gl", "pingpong_sigmoid", "float"}
+    return (out, args) if not unknown else None
+
+
+def candidates(sched) -> list[dict]:
+    """The template's configuration for a schedule it may run (``eligible``) on this GPU."""
+    from .flash import device_supports
+
+    if not eligible(sched) or not device_supports():
+        return []
+    bm, bn, bk, stages = TILE
+    return [{"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
+             "num_stages": stages, "PROGRAMS": min(tma.sm_count(), -(-sched.m // bm) * -(-sched.n // bn))}]
+
+
+def runnable(cfg: dict, sched) -> bool:
+    """Whether ``cfg`` (from a cache, or a user) is the template's, for a schedule it may run."""
+    bm, bn, bk, stages = TILE
+    want = {"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
+            "num_stages": stages}
+    programs = cfg.get("PROGRAMS")
+    return sched is not None and eligible(sched) and isinstance(programs, int) and programs >= 1 and \
+        {k: v for k, v in cfg.items() if k != "PROGRAMS"} == want
+
+
+def pointer_config(cfg: dict) -> dict:
+    """The Triton kernel that runs in the template's place where an address is not
+    16-byte aligned, or where the template cannot be generated: the same tiles, one
+    program per tile."""
+    return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+            "GROUP_M": cfg["GROUP_M"], "num_warps": 8, "num_stages": 3}
+
+
+def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozenset):
+    """The kernel as the template (``kernel.Generated``), or None where it cannot be: sizes
+    taken at launch (a sized module), or not the template's form."""
+    from . import matmul_hopper
+    from .kernel import Generated
+
+    f = form(spec, sched, buffers) if not runtime else None
+    if f is None:
+        return None
+    params = list(dict.fromkeys([f.a.buf, f.b.buf, f.out.buf, *f.args]))
+    name = spec.name
+    doc = ", ".join(spec.fx_nodes) or "(no FX node)"
+    epi = [f"def {name}_epilogue({f.acc}, mindex, nindex, M: gl.constexpr, N: gl.constexpr"
+           + "".join(f", {a}" for a in f.args) + "):"]
+    epi += ["    mmask = mindex < M", "    nmask = nindex < N"]
+    epi += ["    " + line for line in f.lines]
+    offsets = [f"{p} + {box.offset}" if box.offset else p for p, box in ((f.a.buf, f.a), (f.b.buf, f.b))]
+    epi_args = "".join(f"{a}, " for a in f.args)
+    text = "\n".join([
+        f"# {name}: the Hopper ping-pong matmul template (eqfuse/codegen/matmul_hopper.py) with this kernel's",
+        f"# epilogue; FX nodes: {doc}",
+        "from triton.experimental import gluon",
+        "from triton.experimental.gluon import language as gl",
+        "from eqfuse.codegen.matmul_hopper import matmul_pingpong",
+        "from eqfuse.codegen.matmul_hopper import sigmoid as pingpong_sigmoid",
+        "",
+        "",
+        "@gluon.jit",
+        *epi,
+        "",
+        "",
+        "@gluon.jit",
+        f"def {name}({', '.join(params)}, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, SA: gl.constexpr, "
+        "SB: gl.constexpr, SC: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, "
+        "BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr):",
+        f'    """FX nodes: {doc}"""',
+        f"    matmul_pingpong({offsets[0]}, {offsets[1]}, {f.out.buf}, {name}_epilogue, ({epi_args}), M, N, K, SA, SB,"
+        " SC, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, PROGRAMS)",
+        ""])
+    values = {"M": sched.m, "N": sched.n, "K": sched.k, "SA": f.a.stride, "SB": f.b.stride, "SC": f.out.stride,
+              "B_KMAJOR": f.b.inner == "kindex_b", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+              "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "STAGES": cfg["num_stages"],
+              "PROGRAMS": cfg["PROGRAMS"]}
+    return Generated(text, sched, cfg, params, [f.a.buf, f.b.buf, f.out.buf], constexprs=values,
+                     launch={"num_warps": 4, "maxnreg": matmul_hopper.MAXNREG}, grid=(cfg["PROGRAMS"], 1),
+                     template="the Hopper ping-pong matmul template")

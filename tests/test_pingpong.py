@@ -1,0 +1,222 @@
+"""The Hopper ping-pong matmul template (codegen/pingpong.py, codegen/matmul_hopper.py):
+which matmul kernels it can run, the epilogue it is handed (the Triton kernel's, spelled in
+Gluon), what the module launches when it is chosen, that it builds for sm_90 without a
+GPU, and, on a Hopper GPU, its values against eager at ragged sizes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, assert_matches
+
+import eqfuse
+from eqfuse.codegen import flash, pingpong
+from eqfuse.codegen.module import generate_module
+from eqfuse.runtime import cache
+from eqfuse.runtime.compile_worker import _stubbed, _template
+
+
+def gelu_bias(x, w, b):
+    return F.gelu(x @ w + b)
+
+
+def gelu_tanh_bias(x, w, b):
+    return F.gelu(x @ w + b, approximate="tanh")
+
+
+def linear_residual(x, w, b, r):  # w stored [N, K]: B read K-major
+    return F.linear(x, w, b) + r
+
+
+def relu_scaled(x, w, b):
+    return torch.relu(x @ w) * 0.5 + b
+
+
+def silu_linear(x, w, b):  # sigmoid, which Gluon spells otherwise
+    return F.silu(F.linear(x, w, b))
+
+
+FNS = {f.__name__: f for f in (gelu_bias, gelu_tanh_bias, linear_residual, relu_scaled, silu_linear)}
+
+
+def make_inputs(name, m, n, k, dtype=torch.float16, device=DEVICE):
+    g = torch.Generator().manual_seed(m * 7 + n * 3 + k)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g, device="cpu") / shape[-1] ** 0.5).to(dtype).to(device)
+
+    w = rand(n, k) if name in ("linear_residual", "silu_linear") else rand(k, n)
+    inputs = [rand(m, k), w, rand(n)]
+    if name == "linear_residual":
+        inputs.append(rand(m, n))
+    return inputs
+
+
+def matmul_kernel(name, m=64, n=72, k=48, dtype=torch.float16):
+    inputs = make_inputs(name, m, n, k, dtype)
+    compiled = eqfuse.compile(FNS[name], tuple(inputs), autotune=False)
+    (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "matmul"]
+    return compiled, kernel, inputs
+
+
+@pytest.mark.parametrize("name", list(FNS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_products_with_an_epilogue_have_the_template_form(name, dtype):
+    compiled, k, _ = matmul_kernel(name, dtype=dtype)
+    f = pingpong.form(k.spec, k.schedule, compiled.plan.buffers)
+    assert f is not None, name
+    assert (f.a.buf, f.b.buf) == (compiled.plan.inputs[0].name, compiled.plan.inputs[1].name)
+    assert (f.b.inner == "kindex_b") == (name in ("linear_residual", "silu_linear"))  # F.linear's weight: K-major
+    assert f.lines[-1].startswith("return ") and f.lines[-1].endswith(f".to(gl.{str(dtype)[6:]})")
+    assert not any("tl." in line for line in f.lines)
+    assert f.acc in f.lines[0] or any(f.acc in line for line in f.lines)
+    # the epilogue reads the bias (and the residual), never the operands
+    reads = set(f.args)
+    assert compiled.plan.inputs[2].name in reads and f.a.buf not in reads and f.b.buf not in reads
+    if name == "silu_linear":
+        assert any("pingpong_sigmoid(" in line for line in f.lines)
+
+
+def test_float32_batched_and_unaligned_products_keep_the_triton_kernel():
+    """The template takes half-precision operands, one matrix, and TMA's 16-byte strides."""
+    x32 = [t.float() for t in make_inputs("gelu_bias", 64, 72, 48)]
+    c = eqfuse.compile(gelu_bias, tuple(x32), autotune=False)
+    assert pingpong.form(c.kernels[0].spec, c.kernels[0].schedule, c.plan.buffers) is None
+    c, k, _ = matmul_kernel("gelu_bias", k=17)  # rows of A of 34 bytes
+    assert not pingpong.eligible(k.schedule) and pingpong.form(k.spec, k.schedule, c.plan.buffers) is None
+    xb = torch.randn(3, 64, 48, dtype=torch.float16)
+    wb = torch.randn(3, 48, 72, dtype=torch.float16)
+    c = eqfuse.compile(lambda a, b: torch.relu(a @ b), (xb, wb), autotune=False)
+    (k,) = c.kernels
+    assert k.schedule.batch and not pingpong.eligible(k.schedule)
+
+
+def test_a_kernel_with_two_outputs_keeps_the_triton_kernel():
+    def both(x, w, b):
+        h = x @ w + b
+        return h, F.gelu(h)
+    inputs = make_inputs("gelu_bias", 64, 72, 48)
+    c = eqfuse.compile(both, tuple(inputs), autotune=False)
+    (k,) = [k for k in c.kernels if k.schedule.kind == "matmul"]
+    assert len(k.spec.roots) == 2 and pingpong.form(k.spec, k.schedule, c.plan.buffers) is None
+
+
+def test_the_epilogue_refuses_operators_gluon_lacks_and_values_of_the_k_loop():
+    assert pingpong._in_gluon(["t1 = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)"], "acc1", set()) is None
+    assert pingpong._in_gluon(["t1 = (acc1 + v0)"], "acc1", set()) is None  # v0: not the epilogue's
+    lines, args = pingpong._in_gluon(["v2 = tl.load(in2 + nindex, mask=nmask, other=0).to(tl.float32)",
+                                      "t3 = tl.sigmoid(acc1 + v2)", "return t3"], "acc1", {"in2", "in0"})
+    assert args == ["in2"]
+    assert lines[0] == "v2 = gl.load(in2 + nindex, mask=nmask, other=0).to(gl.float32)"
+    assert lines[1] == "t3 = pingpong_sigmoid(acc1 + v2)"
+
+
+def test_no_candidate_without_a_hopper_gpu(monkeypatch):
+    _, k, _ = matmul_kernel("gelu_bias")
+    if not flash.device_supports():
+        assert pingpong.candidates(k.schedule) == []
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    (cfg,) = pingpong.candidates(k.schedule)
+    assert cfg["PINGPONG"] == 1 and cfg["PROGRAMS"] == 1  # one 128 x 128 tile
+    assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 256}, k.schedule)
+
+
+def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE):
+    """The module with the kernel as the template, as a Hopper GPU's autotuner would make it."""
+    inputs = make_inputs(name, m, n, k, dtype, device)
+    compiled = eqfuse.compile(FNS[name], tuple(inputs), autotune=False)
+    (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "matmul"]
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    (cfg,) = pingpong.candidates(kernel.schedule)
+    source, infos = generate_module(compiled.plan, name, "test", {kernel.name: cfg})
+    (info,) = [i for i in infos if i.name == kernel.name]
+    return compiled, info, source, inputs
+
+
+def test_the_module_launches_the_template_with_the_triton_kernel_for_unaligned_addresses(monkeypatch):
+    compiled, info, source, _ = template_module(monkeypatch, "linear_residual", m=100, n=200, k=64)
+    assert "from eqfuse.codegen.matmul_hopper import matmul_pingpong" in source
+    assert f"def {info.name}_epilogue(" in source
+    c = info.constexprs
+    assert (c["M"], c["N"], c["K"], c["SA"], c["SB"], c["SC"], c["B_KMAJOR"]) == (100, 200, 64, 64, 64, 200, True)
+    assert info.launch == {"num_warps": 4, "maxnreg": 168} and info.grid == (c["PROGRAMS"], 1)
+    assert info.template == "the Hopper ping-pong matmul template"
+    assert info.fallback is not None and info.fallback.params == info.params
+    assert "PINGPONG" not in info.fallback.constexprs and f"{info.name}_unaligned_launch" in source
+
+
+def test_a_sized_module_keeps_the_triton_kernel(monkeypatch):
+    from eqfuse.codegen.kernel import generate_kernel
+    compiled, info, _, _ = template_module(monkeypatch, "gelu_bias")
+    g = generate_kernel(info.spec, compiled.plan.buffers, info.config, runtime=frozenset({"M"}))
+    assert g.constexprs is None and "@triton.jit" in g.text and "PINGPONG" not in g.cfg
+
+
+def test_the_compile_worker_loads_the_template_module():
+    line = "from eqfuse.codegen.matmul_hopper import matmul_pingpong"
+    assert _stubbed(line) == "matmul_pingpong = _eqfuse_template('eqfuse.codegen.matmul_hopper').matmul_pingpong"
+    assert _template("eqfuse.codegen.matmul_hopper").matmul_pingpong.is_gluon()
+    line = "from eqfuse.codegen.matmul_hopper import sigmoid as pingpong_sigmoid"
+    assert _stubbed(line).startswith("pingpong_sigmoid = _eqfuse_template(")
+
+
+COMPILE_FOR_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from eqfuse.runtime import cache
+from eqfuse.runtime.compile_worker import ast_source
+
+out = []
+for source, name, params, constexprs in json.loads(sys.stdin.read()):
+    src = "import triton\\nimport triton.language as tl\\n" + source
+    fn = getattr(cache.load_module(cache.cache_key(src), src, False), name)
+    sig = {p: "*fp16" if p in params else "constexpr" for p in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if p in params}
+    k = triton.compile(ast_source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "maxnreg": 168})
+    ptx = k.asm["ptx"]
+    out.append({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+                "setmaxnreg": "setmaxnreg" in ptx, "tma_store": "cp.async.bulk.tensor" in ptx})
+print(json.dumps(out))
+"""
+
+
+def test_the_template_compiles_for_sm90_without_a_gpu(monkeypatch):
+    """Triton's compiler and its bundled ptxas need no GPU: the template around each
+    epilogue builds for Hopper, its products on wgmma, registers handed from the loader to
+    the consumers, shared memory under the H100's 227 KB (in a child process: one that
+    interprets Triton kernels cannot compile them)."""
+    jobs = []
+    for name in ("gelu_bias", "linear_residual", "silu_linear"):
+        _, info, _, _ = template_module(monkeypatch, name, m=256, n=256, k=128)
+        jobs.append((info.source, info.name, info.params, info.constexprs))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(eqfuse.__file__)),
+                                                    env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], input=json.dumps(jobs), capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for kernel in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert kernel["shared"] <= 232448 and kernel["wgmma"] >= 4 and kernel["setmaxnreg"] and kernel["tma_store"]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the template needs a Hopper GPU (sm_90a)")
+@pytest.mark.parametrize("m,n,k", [(1, 72, 64), (100, 200, 64), (300, 264, 200), (1024, 768, 768)])
+@pytest.mark.parametrize("name", list(FNS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_template_matches_eager(monkeypatch, name, m, n, k, dtype):
+    compiled, info, source, inputs = template_module(monkeypatch, name, m, n, k, dtype, "cuda")
+    assert info.template
+    module = cache.load_module(cache.cache_key(source, "cuda"), source, interpret=False)
+    got = module.call(inputs[0].device, [], *inputs)[0]
+    assert_matches(got, FNS[name](*inputs), contraction=True)
