@@ -211,7 +211,7 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the template needs a Hopper GPU (sm_90a)")
-@pytest.mark.parametrize("m,n,k", [(1, 72, 64), (100, 200, 64), (300, 264, 200), (1024, 768, 768)])
+@pytest.mark.parametrize("m,n,k", [(17, 72, 64), (100, 200, 64), (300, 264, 200), (1024, 768, 768)])
 @pytest.mark.parametrize("name", list(FNS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_template_matches_eager(monkeypatch, name, m, n, k, dtype):
