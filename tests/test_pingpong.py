@@ -123,6 +123,8 @@ def test_no_candidate_without_a_hopper_gpu(monkeypatch):
     (cfg,) = pingpong.candidates(k.schedule)
     assert cfg["PINGPONG"] == 1 and cfg["PROGRAMS"] == 1  # one 128 x 128 tile
     assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 256}, k.schedule)
+    monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # off: neither offered nor taken from a cache
+    assert pingpong.candidates(k.schedule) == [] and not pingpong.runnable(cfg, k.schedule)
 
 
 def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE):
@@ -169,7 +171,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from eqfuse.runtime import cache
-from eqfuse.runtime.compile_worker import ast_source
+from eqfuse.runtime.compile_worker import ast_source, load_kernels
 
 out = []
 for source, name, params, constexprs in json.loads(sys.stdin.read()):
@@ -177,11 +179,15 @@ for source, name, params, constexprs in json.loads(sys.stdin.read()):
     fn = getattr(cache.load_module(cache.cache_key(src), src, False), name)
     sig = {p: "*fp16" if p in params else "constexpr" for p in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if p in params}
+    # the key a compile worker that has loaded nothing yet files it under
+    sys.modules.pop("eqfuse_compile_worker_template_matmul_hopper", None)
+    twin = getattr(load_kernels(fn.fn.__code__.co_filename, {}), name)
+    same_key = ast_source(twin, sig, constexprs, attrs).hash() == ast_source(fn, sig, constexprs, attrs).hash()
     k = triton.compile(ast_source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "maxnreg": 168})
     ptx = k.asm["ptx"]
     out.append({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
-                "setmaxnreg": "setmaxnreg" in ptx, "tma_store": "cp.async.bulk.tensor" in ptx})
+                "setmaxnreg": "setmaxnreg" in ptx, "tma_store": "cp.async.bulk.tensor" in ptx, "same_key": same_key})
 print(json.dumps(out))
 """
 
@@ -189,8 +195,8 @@ print(json.dumps(out))
 def test_the_template_compiles_for_sm90_without_a_gpu(monkeypatch):
     """Triton's compiler and its bundled ptxas need no GPU: the template around each
     epilogue builds for Hopper, its products on wgmma, registers handed from the loader to
-    the consumers, shared memory under the H100's 227 KB (in a child process: one that
-    interprets Triton kernels cannot compile them)."""
+    the consumers, shared memory under the H100's 227 KB; a compile worker keys each as the
+    JIT does (in a child process: one that interprets Triton kernels cannot compile them)."""
     jobs = []
     for name in ("gelu_bias", "linear_residual", "silu_linear"):
         _, info, _, _ = template_module(monkeypatch, name, m=256, n=256, k=128)
@@ -203,6 +209,7 @@ def test_the_template_compiles_for_sm90_without_a_gpu(monkeypatch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for kernel in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert kernel["shared"] <= 232448 and kernel["wgmma"] >= 4 and kernel["setmaxnreg"] and kernel["tma_store"]
+        assert kernel["same_key"]
 
 
 def _hopper() -> bool:

@@ -197,3 +197,11 @@ def matmul_pingpong(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
         (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, K, BLOCK_M, BLOCK_N, BLOCK_K,
                    TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# Triton merges a callee's global constexprs (CONSUMER_REGS...) into its caller's cache key
+# before it computes the callee's own key: the first kernel to call matmul_pingpong would be
+# keyed without them, later ones with them, and a compile worker (which sees one kernel)
+# would disagree with the JIT of the process that sent it (the pool then reported "compiled
+# under another key"). Computed here, at import, every caller's key is the same.
+CACHE_KEYS = (matmul_pingpong.cache_key, sigmoid.cache_key)
