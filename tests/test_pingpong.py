@@ -115,10 +115,14 @@ def test_the_epilogue_refuses_operators_gluon_lacks_and_values_of_the_k_loop():
     assert lines[1] == "t3 = pingpong_sigmoid(acc1 + v2)"
 
 
-def test_no_candidate_without_a_hopper_gpu(monkeypatch):
+def test_no_candidate_unless_switched_on_and_on_a_hopper_gpu(monkeypatch):
     _, k, _ = matmul_kernel("gelu_bias")
-    if not flash.device_supports():
-        assert pingpong.candidates(k.schedule) == []
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    monkeypatch.delenv("EQFUSE_PINGPONG", raising=False)
+    assert pingpong.candidates(k.schedule) == []  # off by default
+    monkeypatch.setenv("EQFUSE_PINGPONG", "1")
+    monkeypatch.setattr(flash, "device_supports", lambda: False)
+    assert pingpong.candidates(k.schedule) == []
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     (cfg,) = pingpong.candidates(k.schedule)
     assert cfg["PINGPONG"] == 1 and cfg["PROGRAMS"] == 1  # one 128 x 128 tile
@@ -128,7 +132,9 @@ def test_no_candidate_without_a_hopper_gpu(monkeypatch):
 
 
 def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE):
-    """The module with the kernel as the template, as a Hopper GPU's autotuner would make it."""
+    """The module with the kernel as the template, as a Hopper GPU's autotuner would make it
+    with the template switched on."""
+    monkeypatch.setenv("EQFUSE_PINGPONG", "1")
     inputs = make_inputs(name, m, n, k, dtype, device)
     compiled = eqfuse.compile(FNS[name], tuple(inputs), autotune=False)
     (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "matmul"]
