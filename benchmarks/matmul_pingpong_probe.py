@@ -85,56 +85,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 import eqfuse
+from eqfuse.codegen.matmul_hopper import CONSUMER_REGS, LOADER_REGS, MAXNREG, _loader, _products, _tile
 from eqfuse.codegen.tma import sm_count
-
-# Registers a thread: at launch, 12 warps (the loader's warp counts as a warpgroup) x 32 x
-# 168 fit the SM's 64K; then the loader gives back most of its own to the consumers.
-MAXNREG = 168
-CONSUMER_REGS = gl.constexpr(240)
-LOADER_REGS = gl.constexpr(24)
-
-
-@gluon.jit
-def _tile(tile, TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """Output tile number -> (tile row, tile column), in groups of GROUP_M tile rows:
-    tiles that run at once read the same operand tiles, which then come from L2."""
-    group = tile // (GROUP_M * TILES_N)
-    rows = gl.minimum(TILES_M - group * GROUP_M, GROUP_M)
-    pid_m = group * GROUP_M + (tile % (GROUP_M * TILES_N)) % rows
-    pid_n = (tile % (GROUP_M * TILES_N)) // rows
-    return pid_m, pid_n
-
-
-@gluon.jit
-def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty,
-            K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-            TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-            PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
-    """One warp: the A and B tiles of each of the program's output tiles, K step by K step,
-    into the ring as soon as a consumer has released the slot. A fresh mbarrier counts as
-    having completed the phase before its first: the first pass does not wait."""
-    KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    g = 0  # ring fills, over all tiles
-    for tile in range(gl.program_id(0), TILES_M * TILES_N, PROGRAMS):
-        pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
-        for kk in range(KT):
-            slot = g % STAGES
-            mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(slot),
-                                            a_smem.index(slot))
-            if B_KMAJOR:
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(slot),
-                                                b_smem.index(slot))
-            else:
-                tma.async_copy_global_to_shared(b_desc, [kk * BLOCK_K, pid_n * BLOCK_N], ready.index(slot),
-                                                b_smem.index(slot))
-            g += 1
 
 
 @gluon.jit
@@ -164,27 +119,7 @@ def _consumer(c_desc, a_smem, b_smem, c_smem, chunked, ready, empty, turn, WHICH
     j = WHICH  # the program's j-th tile
     for tile in range(gl.program_id(0) + WHICH * PROGRAMS, TILES_M * TILES_N, 2 * PROGRAMS):
         pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
-        g = j * KT
-        acc = zero
-        # This consumer's turn: the other has issued its last tile's products. The first
-        # tile of consumer 0 waits for the phase before a fresh barrier's first: no wait.
-        mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
-        for kk in range(KT):
-            slot = g % STAGES
-            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            if B_KMAJOR:
-                b = b_smem.index(slot).permute((1, 0))
-            else:
-                b = b_smem.index(slot)
-            acc = warpgroup_mma(a_smem.index(slot), b, acc, use_acc=kk > 0, is_async=True)
-            # Wait for the previous product only: its slot goes back to the loader.
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            if kk > 0:
-                mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
-            g += 1
-        mbarrier.arrive(turn.index(1 - WHICH), count=1)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+        acc = _products(a_smem, b_smem, ready, empty, turn, zero, j, WHICH, KT, STAGES, B_KMAJOR)
 
         tma.store_wait(0)  # this warpgroup's last tile has left the staging tile
         if SPLIT == 2:

@@ -92,6 +92,37 @@ def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty,
 
 
 @gluon.jit
+def _products(a_smem, b_smem, ready, empty, turn, zero, j, WHICH: gl.constexpr, KT: gl.constexpr,
+              STAGES: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """The K loop of consumer WHICH's j-th tile (the program's): its products on the tensor
+    cores, one in flight while the next slot's data is awaited, each slot given back to the
+    loader once its product is done; the turn handed to the other consumer once the last
+    product is issued. Returns the accumulator, every product complete."""
+    g = j * KT  # ring fills before this tile's first
+    acc = zero
+    # This consumer's turn: the other has issued its last tile's products. The first tile
+    # of consumer 0 waits for the phase before a fresh barrier's first: no wait.
+    mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
+    for kk in range(KT):
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+        if B_KMAJOR:
+            b = b_smem.index(slot).permute((1, 0))
+        else:
+            b = b_smem.index(slot)
+        acc = warpgroup_mma(a_smem.index(slot), b, acc, use_acc=kk > 0, is_async=True)
+        # Wait for the previous product only: its slot goes back to the loader.
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        if kk > 0:
+            mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+        g += 1
+    mbarrier.arrive(turn.index(1 - WHICH), count=1)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
 def _epilogue(acc, m0, n0, staging, EPILOGUE: gl.constexpr, epi_args, M: gl.constexpr, N: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The epilogue of the ``[BLOCK_M, BLOCK_N]`` part of a tile at (m0, n0), into its
@@ -109,8 +140,7 @@ def _consumer(c_desc, a_smem, b_smem, c_smem, ready, empty, turn, WHICH: gl.cons
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, TILES_M: gl.constexpr, TILES_N: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
     """One warpgroup: the program's tiles WHICH, WHICH + 2, ...: the K loop on the tensor
-    cores (one product in flight while the next slot's data is awaited), then the
-    epilogue in two halves along N (half the epilogue's temporaries live at once: in one
+    cores (``_products``), then the epilogue in two halves along N (half the epilogue's temporaries live at once: in one
     piece erf's spilled), staged in shared memory and stored by TMA."""
     KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -120,28 +150,7 @@ def _consumer(c_desc, a_smem, b_smem, c_smem, ready, empty, turn, WHICH: gl.cons
     j = WHICH  # the program's j-th tile
     for tile in range(gl.program_id(0) + WHICH * PROGRAMS, TILES_M * TILES_N, 2 * PROGRAMS):
         pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
-        g = j * KT
-        acc = zero
-        # This consumer's turn: the other has issued its last tile's products. The first
-        # tile of consumer 0 waits for the phase before a fresh barrier's first: no wait.
-        mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
-        for kk in range(KT):
-            slot = g % STAGES
-            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            if B_KMAJOR:
-                b = b_smem.index(slot).permute((1, 0))
-            else:
-                b = b_smem.index(slot)
-            acc = warpgroup_mma(a_smem.index(slot), b, acc, use_acc=kk > 0, is_async=True)
-            # Wait for the previous product only: its slot goes back to the loader.
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            if kk > 0:
-                mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
-            g += 1
-        mbarrier.arrive(turn.index(1 - WHICH), count=1)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
-
+        acc = _products(a_smem, b_smem, ready, empty, turn, zero, j, WHICH, KT, STAGES, B_KMAJOR)
         tma.store_wait(0)  # this warpgroup's last tile has left the staging tile
         halves = gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
         left, right = gl.split(halves)
