@@ -8,7 +8,8 @@ the block timed in interleaved rounds and each kernel's device time under the pr
 Measured (NVIDIA H100, results/models-gpt2-pingpong-which_*): the MLP product as the
 template ran 87-88 us in the block against the Triton kernel's 82, though alone on the
 block's own data it runs 75 against 84; the block: both 322.0 us, MLP only 325.3, q/k/v
-only 315.3, none 316.2. Hence the template is off by default (``EQFUSE_PINGPONG=1``).
+only 315.3, none 316.2 (a second run: 313.9, 317.4, 310.6, 314.1). Hence the template is
+offered by default only for epilogues without a special function (``EQFUSE_PINGPONG``).
 """
 
 from __future__ import annotations

@@ -115,20 +115,27 @@ def test_the_epilogue_refuses_operators_gluon_lacks_and_values_of_the_k_loop():
     assert lines[1] == "t3 = pingpong_sigmoid(acc1 + v2)"
 
 
-def test_no_candidate_unless_switched_on_and_on_a_hopper_gpu(monkeypatch):
-    _, k, _ = matmul_kernel("gelu_bias")
+@pytest.mark.parametrize("name,special", [("relu_scaled", False), ("linear_residual", False),
+                                          ("gelu_bias", True), ("silu_linear", True)])
+def test_offered_by_default_where_the_epilogue_computes_no_special_function(monkeypatch, name, special):
+    _, k, _ = matmul_kernel(name)
+    assert k.schedule.special == special
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     monkeypatch.delenv("EQFUSE_PINGPONG", raising=False)
-    assert pingpong.candidates(k.schedule) == []  # off by default
-    monkeypatch.setenv("EQFUSE_PINGPONG", "1")
-    monkeypatch.setattr(flash, "device_supports", lambda: False)
-    assert pingpong.candidates(k.schedule) == []
-    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    assert bool(pingpong.candidates(k.schedule)) == (not special)
+    monkeypatch.setenv("EQFUSE_PINGPONG", "1")  # every epilogue
     (cfg,) = pingpong.candidates(k.schedule)
     assert cfg["PINGPONG"] == 1 and cfg["PROGRAMS"] == 1  # one 128 x 128 tile
     assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 256}, k.schedule)
-    monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # off: neither offered nor taken from a cache
+    monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # none: neither offered nor taken from a cache
     assert pingpong.candidates(k.schedule) == [] and not pingpong.runnable(cfg, k.schedule)
+
+
+def test_no_candidate_without_a_hopper_gpu(monkeypatch):
+    _, k, _ = matmul_kernel("relu_scaled")
+    monkeypatch.setenv("EQFUSE_PINGPONG", "1")
+    monkeypatch.setattr(flash, "device_supports", lambda: False)
+    assert pingpong.candidates(k.schedule) == []
 
 
 def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE):

@@ -88,6 +88,7 @@ class Schedule:
     tile_reads: int = 0  # matmul: loads after the K loop that vary along both M and N (a residual, a mask)
     gathered: int = 0  # matmul: operand loads beyond one per operand (a concatenation's parts, selected per element)
     gathered_sides: tuple = ()  # matmul: the operands (0: A, 1: B) computed from several reads, in registers
+    special: bool = False  # matmul: the kernel computes a special function (``special_function``)
 
     @property
     def sizes(self) -> dict:
@@ -171,7 +172,8 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
                                   for d in dots for i, env, atoms in _operand_sides(sched)),
                    tile_reads=_epilogue_tile_reads(spec, sched, dots),
                    gathered=sum(max(0, n - 1) for _, n in loads),
-                   gathered_sides=tuple(sorted({side for side, n in loads if n > 1})))
+                   gathered_sides=tuple(sorted({side for side, n in loads if n > 1})),
+                   special=special_function(spec))
 
 
 def _epilogue_tile_reads(spec: KernelSpec, sched: Schedule, dots: list) -> int:

@@ -23,9 +23,9 @@ dominates and the template's 128 x 128 tiles lose to Triton's 128 x 256 (gelu(x@
 8192 x 4096 x 4096: 477 against 448), and an epilogue whose code is large (libdevice's
 erf, about 47 instructions an element) runs slower here than in Triton (146 against 96
 us at GPT-2's shape): each consumer has its own copy of the epilogue's code, and the two
-overflow the instruction cache. With ``EQFUSE_PINGPONG=1`` the autotuner times the
-template beside the Triton kernels and keeps the faster (codegen/pingpong.py says why it is
-off by default).
+overflow the instruction cache. The autotuner times the template beside the Triton
+kernels and keeps the faster, for epilogues without a special function unless asked
+(codegen/pingpong.py says why).
 """
 
 from __future__ import annotations

@@ -10,15 +10,18 @@ whose operators have the same names (``gl.load``, ``gl.erf``...) and semantics. 
 that uses anything else (a constant tile, a reduction, an operator Gluon lacks), a batch,
 a second product or a second output keeps the Triton kernel.
 
-With ``EQFUSE_PINGPONG=1`` the template is one autotuning candidate among the Triton
-kernel's, on Hopper (compute capability 9.0, compiled): it hides the epilogue behind the
-next tile's K loop, which pays where K is short (GPT-2's MLP: 8192 x 3072 x 768 with bias
-and tanh-form gelu, 76.2 us against 86.8 alone), and loses where K is long or the
-epilogue's code is large (matmul_hopper's docstring). It is off by default: inside GPT-2's
-block (benchmarks/results/models-gpt2-pingpong-*) the MLP product it wins alone ran 87-88
-us against the Triton kernel's 82, on the same data, and the block was level or 2% slower
-with it; why is open. The autotuner times a kernel alone, so it would pick the template
-there.
+The template is one autotuning candidate among the Triton kernel's, on Hopper (compute
+capability 9.0, compiled), for kernels whose epilogue computes no special function (a
+bias, a residual, a scale, relu): it hides the epilogue behind the next tile's K loop,
+which pays where K is short. Inside GPT-2's block (benchmarks/matmul_pingpong_block.py,
+H100) it ran the q/k/v projection (bias only) in 49.3 us against the Triton kernel's 54.0.
+An epilogue with a special function wins alone but not in a block: the MLP's first product
+(bias and tanh-form gelu) ran 75 against 84 alone on the block's data, yet 87-88 against 82
+inside the block, and the autotuner, which times each kernel alone, would pick it there.
+Each consumer warpgroup runs its own copy of the epilogue's code, and such an epilogue's
+two copies strain the instruction cache (matmul_hopper's docstring: erf's overflowed it);
+why that costs inside the block only is open. ``EQFUSE_PINGPONG=1`` offers the template for
+every epilogue, ``EQFUSE_PINGPONG=0`` for none.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ SAME_IN_GLUON = {"load", "where", "maximum", "minimum", "exp", "exp2", "log", "l
                  "abs", "floor", "ceil", "sin", "cos", "fma", "float16", "bfloat16", "float32", "float64", "int1",
                  "int8", "int16", "int32", "int64", "uint8"}
 OWN = {"sigmoid": "pingpong_sigmoid"}
-ENV = "EQFUSE_PINGPONG"  # "1": offered to the autotuner (off by default, see above)
+ENV = "EQFUSE_PINGPONG"  # 1: offered for every epilogue; 0: for none (``offered``)
 INDEX_NAMES = {"mindex", "nindex", "mmask", "nmask", "M", "N"}
 
 
@@ -56,9 +59,13 @@ class Form:
     args: tuple  # buffers the epilogue reads
 
 
-def enabled() -> bool:
-    """Whether the template is switched on (``EQFUSE_PINGPONG=1``)."""
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "on", "yes")
+def offered(sched) -> bool:
+    """Whether the switch lets the template run the kernel: ``EQFUSE_PINGPONG`` 1 for every
+    epilogue, 0 for none, unset for those without a special function (see above)."""
+    switch = os.environ.get(ENV, "").strip().lower()
+    if switch in ("0", "false", "off", "no"):
+        return False
+    return switch in ("1", "true", "on", "yes") or not sched.special
 
 
 def eligible(sched) -> bool:
@@ -135,7 +142,7 @@ def candidates(sched) -> list[dict]:
     """The template's configuration for a schedule it may run (``eligible``) on this GPU."""
     from .flash import device_supports
 
-    if not eligible(sched) or not enabled() or not device_supports():
+    if not eligible(sched) or not offered(sched) or not device_supports():
         return []
     bm, bn, bk, stages = TILE
     return [{"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
@@ -144,12 +151,12 @@ def candidates(sched) -> list[dict]:
 
 def runnable(cfg: dict, sched) -> bool:
     """Whether ``cfg`` (from a cache, or a user) is the template's, for a schedule it may
-    run, with the template switched on."""
+    run and is offered for."""
     bm, bn, bk, stages = TILE
     want = {"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
             "num_stages": stages}
     programs = cfg.get("PROGRAMS")
-    return sched is not None and eligible(sched) and enabled() and isinstance(programs, int) and \
+    return sched is not None and eligible(sched) and offered(sched) and isinstance(programs, int) and \
         programs >= 1 and {k: v for k, v in cfg.items() if k != "PROGRAMS"} == want
 
 
