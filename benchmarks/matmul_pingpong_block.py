@@ -5,11 +5,12 @@ the block timed in interleaved rounds and each kernel's device time under the pr
 
     python benchmarks/matmul_pingpong_block.py [--out probe.json]
 
-Measured (NVIDIA H100, results/models-gpt2-pingpong-which_*): the MLP product as the
-template ran 87-88 us in the block against the Triton kernel's 82, though alone on the
-block's own data it runs 75 against 84; the block: both 322.0 us, MLP only 325.3, q/k/v
-only 315.3, none 316.2 (a second run: 313.9, 317.4, 310.6, 314.1). Hence the template is
-offered by default only for epilogues without a special function (``EQFUSE_PINGPONG``).
+Measured (NVIDIA H100): with the MLP product's epilogue (bias, tanh-form gelu) unrolled
+over each tile (results/models-gpt2-pingpong-which_*), it ran 87-88 us in the block
+against the Triton kernel's 82, though 75 against 84 alone on the block's own data: two
+copies of its code overflowed the instruction cache. Run in chunks of rows
+(results/models-gpt2-pingpong-chunked-block_*): 73.9 against 81.5; the block, both as the
+template 306.0 us, MLP only 320.8, q/k/v only 314.8, none 316.4.
 """
 
 from __future__ import annotations

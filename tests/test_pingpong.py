@@ -115,33 +115,25 @@ def test_the_epilogue_refuses_operators_gluon_lacks_and_values_of_the_k_loop():
     assert lines[1] == "t3 = pingpong_sigmoid(acc1 + v2)"
 
 
-@pytest.mark.parametrize("name,special", [("relu_scaled", False), ("linear_residual", False),
-                                          ("gelu_bias", True), ("silu_linear", True)])
-def test_offered_by_default_where_the_epilogue_computes_no_special_function(monkeypatch, name, special):
-    _, k, _ = matmul_kernel(name)
-    assert k.schedule.special == special
+def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
+    _, k, _ = matmul_kernel("gelu_bias")
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     monkeypatch.delenv("EQFUSE_PINGPONG", raising=False)
-    assert bool(pingpong.candidates(k.schedule)) == (not special)
-    monkeypatch.setenv("EQFUSE_PINGPONG", "1")  # every epilogue
     (cfg,) = pingpong.candidates(k.schedule)
     assert cfg["PINGPONG"] == 1 and cfg["PROGRAMS"] == 1  # one 128 x 128 tile
     assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 256}, k.schedule)
-    monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # none: neither offered nor taken from a cache
+    monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # off: neither offered nor taken from a cache
     assert pingpong.candidates(k.schedule) == [] and not pingpong.runnable(cfg, k.schedule)
 
 
 def test_no_candidate_without_a_hopper_gpu(monkeypatch):
     _, k, _ = matmul_kernel("relu_scaled")
-    monkeypatch.setenv("EQFUSE_PINGPONG", "1")
     monkeypatch.setattr(flash, "device_supports", lambda: False)
     assert pingpong.candidates(k.schedule) == []
 
 
 def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE):
-    """The module with the kernel as the template, as a Hopper GPU's autotuner would make it
-    with the template switched on."""
-    monkeypatch.setenv("EQFUSE_PINGPONG", "1")
+    """The module with the kernel as the template, as a Hopper GPU's autotuner would make it."""
     inputs = make_inputs(name, m, n, k, dtype, device)
     compiled = eqfuse.compile(FNS[name], tuple(inputs), autotune=False)
     (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "matmul"]
@@ -162,6 +154,14 @@ def test_the_module_launches_the_template_with_the_triton_kernel_for_unaligned_a
     assert info.template == "the Hopper ping-pong matmul template"
     assert info.fallback is not None and info.fallback.params == info.params
     assert "PINGPONG" not in info.fallback.constexprs and f"{info.name}_unaligned_launch" in source
+
+
+@pytest.mark.parametrize("name,chunk", [("gelu_bias", 16), ("silu_linear", 16), ("linear_residual", 0)])
+def test_an_epilogue_with_a_special_function_runs_in_chunks_of_rows(monkeypatch, name, chunk):
+    """Its code once per chunk, not twice per tile (two copies of erf's overflowed the
+    instruction cache); a light epilogue stays in registers and is stored by TMA."""
+    _, info, _, _ = template_module(monkeypatch, name)
+    assert info.constexprs["CHUNK"] == chunk
 
 
 def test_a_sized_module_keeps_the_triton_kernel(monkeypatch):

@@ -16,16 +16,15 @@ float32); ``mindex`` and ``nindex`` are its rows and columns in the accumulator'
 so that loads made from them come back in it. The output is staged in shared memory and
 stored by TMA, which drops what falls past M and N; TMA reads zeros past them and past K.
 
-Measured (NVIDIA H100, benchmarks/matmul_pingpong_probe.py, GPT-2's MLP shape 8192 x 3072
-x 768 fp16 with a bias and gelu's tanh form as eqfuse writes tanh): 74.4 us against the
-generated Triton kernel's 86.1 and cuBLAS's product alone 62.4. Where K is long the K loop
-dominates and the template's 128 x 128 tiles lose to Triton's 128 x 256 (gelu(x@W+b) at
-8192 x 4096 x 4096: 477 against 448), and an epilogue whose code is large (libdevice's
-erf, about 47 instructions an element) runs slower here than in Triton (146 against 96
-us at GPT-2's shape): each consumer has its own copy of the epilogue's code, and the two
-overflow the instruction cache. The autotuner times the template beside the Triton
-kernels and keeps the faster, for epilogues without a special function unless asked
-(codegen/pingpong.py says why).
+Measured (NVIDIA H100, the autotuner's timings of each kernel alone): GPT-2's MLP shape,
+8192 x 3072 x 768 fp16 with a bias and gelu's tanh form, 78.0 us against the best Triton
+kernel's 86.2 (cuBLAS's product alone 62.9); with gelu's erf form 86.8 against 97.4. Where
+K is long the K loop dominates and the template's 128 x 128 tiles lose to Triton's
+128 x 256 (gelu(x@W+b) at 8192 x 4096 x 4096: 477 against 448). Each consumer has its own
+copy of the epilogue's code: an epilogue with a special function runs in chunks of rows
+(CHUNK, ``_chunked_epilogue``), whose code is one chunk's, as two copies of it unrolled
+over a tile overflow the instruction cache (the erf form ran 146 us at GPT-2's shape).
+The autotuner times the template beside the Triton kernels and keeps the faster.
 """
 
 from __future__ import annotations
@@ -135,33 +134,69 @@ def _epilogue(acc, m0, n0, staging, EPILOGUE: gl.constexpr, epi_args, M: gl.cons
 
 
 @gluon.jit
-def _consumer(c_desc, a_smem, b_smem, c_smem, ready, empty, turn, WHICH: gl.constexpr, EPILOGUE: gl.constexpr,
-              epi_args, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BLOCK_M: gl.constexpr,
+def _chunked_epilogue(acc, pid_m, pid_n, rows, chunks, c_ptr, EPILOGUE: gl.constexpr, epi_args, WHICH: gl.constexpr,
+                      M: gl.constexpr, N: gl.constexpr, SC: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
+    """The epilogue of a whole tile, CHUNK rows at a time in a loop, so that its code is one
+    chunk's: the product rounded to the operands' dtype (the graph's own product is) into
+    this consumer's rows of shared memory, then each chunk loaded in a row layout, its
+    epilogue computed and stored from there (masked at M and N)."""
+    NCH: gl.constexpr = BLOCK_M // CHUNK
+    out: gl.constexpr = c_ptr.dtype.element_ty
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    gl.thread_barrier()  # the last tile's chunks are read
+    rows.store(acc.to(rows.dtype))
+    gl.thread_barrier()
+    r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))[:, None]
+    nindex = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
+    for i in range(NCH):
+        x = chunks.index(WHICH * NCH + i).load(layout).to(gl.float32)
+        mindex = pid_m * BLOCK_M + i * CHUNK + r
+        y = EPILOGUE(x, mindex, nindex, M, N, *epi_args)
+        gl.store(c_ptr + mindex * SC + nindex, y.to(out), mask=(mindex < M) & (nindex < N))
+
+
+@gluon.jit
+def _consumer(c_out, a_smem, b_smem, c_smem, ready, empty, turn, WHICH: gl.constexpr, EPILOGUE: gl.constexpr,
+              epi_args, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, SC: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, TILES_M: gl.constexpr, TILES_N: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
+              CHUNK: gl.constexpr):
     """One warpgroup: the program's tiles WHICH, WHICH + 2, ...: the K loop on the tensor
-    cores (``_products``), then the epilogue in two halves along N (half the epilogue's temporaries live at once: in one
-    piece erf's spilled), staged in shared memory and stored by TMA."""
+    cores (``_products``), then the epilogue. In two halves along N (half the epilogue's
+    temporaries live at once: in one piece erf's spilled), staged in shared memory and
+    stored by TMA (``c_out`` a descriptor); or, where CHUNK, in chunks of rows
+    (``_chunked_epilogue``; ``c_out`` the output's pointer)."""
     KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=layout)
-    staging = c_smem.index(WHICH)
+    if CHUNK:
+        staging = c_smem.slice(WHICH * BLOCK_M, BLOCK_M)
+        chunks = c_smem._reinterpret(c_smem.dtype, [2 * BLOCK_M // CHUNK, CHUNK, BLOCK_N], c_smem.layout)
+    else:
+        staging = c_smem.index(WHICH)
     j = WHICH  # the program's j-th tile
     for tile in range(gl.program_id(0) + WHICH * PROGRAMS, TILES_M * TILES_N, 2 * PROGRAMS):
         pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
         acc = _products(a_smem, b_smem, ready, empty, turn, zero, j, WHICH, KT, STAGES, B_KMAJOR)
-        tma.store_wait(0)  # this warpgroup's last tile has left the staging tile
-        halves = gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
-        left, right = gl.split(halves)
-        _epilogue(left, pid_m * BLOCK_M, pid_n * BLOCK_N, staging.slice(0, BLOCK_N // 2, dim=1), EPILOGUE,
-                  epi_args, M, N, BLOCK_M, BLOCK_N // 2)
-        _epilogue(right, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2,
-                  staging.slice(BLOCK_N // 2, BLOCK_N // 2, dim=1), EPILOGUE, epi_args, M, N, BLOCK_M, BLOCK_N // 2)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], staging)
+        if CHUNK:
+            _chunked_epilogue(acc, pid_m, pid_n, staging, chunks, c_out, EPILOGUE, epi_args, WHICH, M, N, SC,
+                              BLOCK_M, BLOCK_N, CHUNK)
+        else:
+            tma.store_wait(0)  # this warpgroup's last tile has left the staging tile
+            halves = gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
+            left, right = gl.split(halves)
+            _epilogue(left, pid_m * BLOCK_M, pid_n * BLOCK_N, staging.slice(0, BLOCK_N // 2, dim=1), EPILOGUE,
+                      epi_args, M, N, BLOCK_M, BLOCK_N // 2)
+            _epilogue(right, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2,
+                      staging.slice(BLOCK_N // 2, BLOCK_N // 2, dim=1), EPILOGUE, epi_args, M, N, BLOCK_M,
+                      BLOCK_N // 2)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_out, [pid_m * BLOCK_M, pid_n * BLOCK_N], staging)
         j += 2
-    tma.store_wait(0)
+    if not CHUNK:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -169,7 +204,7 @@ def matmul_pingpong(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
                     M: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
                     SA: gl.constexpr, SB: gl.constexpr, SC: gl.constexpr, B_KMAJOR: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
+                    STAGES: gl.constexpr, PROGRAMS: gl.constexpr, CHUNK: gl.constexpr = 0):
     """``C = EPILOGUE(A @ B)`` for A ``[M, K]`` (row stride SA), B ``[K, N]`` (row stride
     SB), or B given as ``[N, K]`` where B_KMAJOR, C ``[M, N]`` (row stride SC); unit inner
     strides, 16-byte aligned addresses and strides. Called by a generated ``@gluon.jit``
@@ -184,13 +219,17 @@ def matmul_pingpong(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
     else:
         b_desc = tma.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[SB, 1], block_shape=[BLOCK_K, BLOCK_N],
                                             layout=gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
-    c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[SC, 1], block_shape=[BLOCK_M, BLOCK_N],
-                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], out))
     TILES_M: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
     TILES_N: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     a_smem = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(out, [2] + c_desc.block_type.shape, c_desc.layout)
+    if CHUNK:  # both consumers' rows, in the operands' dtype; swizzled every 8 rows (CHUNK's multiple)
+        c_out = c_ptr
+        c_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_M, BLOCK_N], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    else:
+        c_out = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[SC, 1], block_shape=[BLOCK_M, BLOCK_N],
+                                           layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], out))
+        c_smem = gl.allocate_shared_memory(out, [2] + c_out.block_type.shape, c_out.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -200,10 +239,10 @@ def matmul_pingpong(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_smem, b_smem, c_smem, ready, empty, turn, 0, EPILOGUE, epi_args, M, N, K, BLOCK_M,
-                     BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
-        (_consumer, (c_desc, a_smem, b_smem, c_smem, ready, empty, turn, 1, EPILOGUE, epi_args, M, N, K, BLOCK_M,
-                     BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
+        (_consumer, (c_out, a_smem, b_smem, c_smem, ready, empty, turn, 0, EPILOGUE, epi_args, M, N, K, SC, BLOCK_M,
+                     BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, CHUNK)),
+        (_consumer, (c_out, a_smem, b_smem, c_smem, ready, empty, turn, 1, EPILOGUE, epi_args, M, N, K, SC, BLOCK_M,
+                     BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, CHUNK)),
         (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, K, BLOCK_M, BLOCK_N, BLOCK_K,
                    TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

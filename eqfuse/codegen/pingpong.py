@@ -11,23 +11,20 @@ that uses anything else (a constant tile, a reduction, an operator Gluon lacks),
 a second product or a second output keeps the Triton kernel.
 
 The template is one autotuning candidate among the Triton kernel's, on Hopper (compute
-capability 9.0, compiled), for kernels whose epilogue computes no special function (a
-bias, a residual, a scale, relu): it hides the epilogue behind the next tile's K loop,
-which pays where K is short. Inside GPT-2's block (benchmarks/matmul_pingpong_block.py,
-H100) it ran the q/k/v projection (bias only) in 49.3 us against the Triton kernel's 54.0.
-An epilogue with a special function wins alone but not in a block: the MLP's first product
-(bias and tanh-form gelu) ran 75 against 84 alone on the block's data, yet 87-88 against 82
-inside the block, and the autotuner, which times each kernel alone, would pick it there.
-Each consumer warpgroup runs its own copy of the epilogue's code, and such an epilogue's
-two copies strain the instruction cache (matmul_hopper's docstring: erf's overflowed it);
-why that costs inside the block only is open. ``EQFUSE_PINGPONG=1`` offers the template for
-every epilogue, ``EQFUSE_PINGPONG=0`` for none.
+capability 9.0, compiled; ``EQFUSE_PINGPONG=0`` turns it off): it hides the epilogue behind
+the next tile's K loop, which pays where K is short, and loses where K is long (the
+autotuner keeps the Triton kernel there). An epilogue that computes a special function
+(erf, exp, tanh...) runs in chunks of rows (``CHUNK``), so that each consumer's copy of its
+code is one chunk's: unrolled over the tile, two copies of erf's overflowed the
+instruction cache, and in GPT-2's block the MLP product with tanh-form gelu ran 87-88 us
+against the Triton kernel's 82, though 75 against 84 alone. Chunked, on an H100
+(benchmarks/matmul_pingpong_block.py): 73.9 in the block against 81.5, the block's
+forward 306.0 against 316.4 with neither product as the template.
 """
 
 from __future__ import annotations
 
 import ast
-import os
 import re
 from dataclasses import dataclass
 
@@ -39,13 +36,16 @@ from . import tma
 # (128 float32 accumulator registers a thread) and the ring's depth
 TILE = (128, 128, 64, 4)
 GROUP_M = 8
+# Rows of a chunk where the epilogue computes a special function: its code is one chunk's
+# (matmul_hopper._chunked_epilogue), not the whole tile's twice over
+CHUNK = 16
 # Triton operators that Gluon has under the same name and with the same semantics; and
 # those written otherwise
 SAME_IN_GLUON = {"load", "where", "maximum", "minimum", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "erf",
                  "abs", "floor", "ceil", "sin", "cos", "fma", "float16", "bfloat16", "float32", "float64", "int1",
                  "int8", "int16", "int32", "int64", "uint8"}
 OWN = {"sigmoid": "pingpong_sigmoid"}
-ENV = "EQFUSE_PINGPONG"  # 1: offered for every epilogue; 0: for none (``offered``)
+ENV = "EQFUSE_PINGPONG"  # 0: the template is never offered
 INDEX_NAMES = {"mindex", "nindex", "mmask", "nmask", "M", "N"}
 
 
@@ -59,13 +59,10 @@ class Form:
     args: tuple  # buffers the epilogue reads
 
 
-def offered(sched) -> bool:
-    """Whether the switch lets the template run the kernel: ``EQFUSE_PINGPONG`` 1 for every
-    epilogue, 0 for none, unset for those without a special function (see above)."""
-    switch = os.environ.get(ENV, "").strip().lower()
-    if switch in ("0", "false", "off", "no"):
-        return False
-    return switch in ("1", "true", "on", "yes") or not sched.special
+def offered() -> bool:
+    """Whether the template is switched on (``EQFUSE_PINGPONG``, on unless 0)."""
+    from ..runtime.cache import switched_on
+    return switched_on(ENV)
 
 
 def eligible(sched) -> bool:
@@ -142,7 +139,7 @@ def candidates(sched) -> list[dict]:
     """The template's configuration for a schedule it may run (``eligible``) on this GPU."""
     from .flash import device_supports
 
-    if not eligible(sched) or not offered(sched) or not device_supports():
+    if not eligible(sched) or not offered() or not device_supports():
         return []
     bm, bn, bk, stages = TILE
     return [{"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
@@ -156,7 +153,7 @@ def runnable(cfg: dict, sched) -> bool:
     want = {"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
             "num_stages": stages}
     programs = cfg.get("PROGRAMS")
-    return sched is not None and eligible(sched) and offered(sched) and isinstance(programs, int) and \
+    return sched is not None and eligible(sched) and offered() and isinstance(programs, int) and \
         programs >= 1 and {k: v for k, v in cfg.items() if k != "PROGRAMS"} == want
 
 
@@ -202,15 +199,16 @@ def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozens
         "@gluon.jit",
         f"def {name}({', '.join(params)}, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, SA: gl.constexpr, "
         "SB: gl.constexpr, SC: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, "
-        "BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr):",
+        "BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, "
+        "CHUNK: gl.constexpr):",
         f'    """FX nodes: {doc}"""',
         f"    matmul_pingpong({offsets[0]}, {offsets[1]}, {f.out.buf}, {name}_epilogue, ({epi_args}), M, N, K, SA, SB,"
-        " SC, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, PROGRAMS)",
+        " SC, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, PROGRAMS, CHUNK)",
         ""])
     values = {"M": sched.m, "N": sched.n, "K": sched.k, "SA": f.a.stride, "SB": f.b.stride, "SC": f.out.stride,
               "B_KMAJOR": f.b.inner == "kindex_b", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
               "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "STAGES": cfg["num_stages"],
-              "PROGRAMS": cfg["PROGRAMS"]}
+              "PROGRAMS": cfg["PROGRAMS"], "CHUNK": CHUNK if sched.special else 0}
     return Generated(text, sched, cfg, params, [f.a.buf, f.b.buf, f.out.buf], constexprs=values,
                      launch={"num_warps": 4, "maxnreg": matmul_hopper.MAXNREG}, grid=(cfg["PROGRAMS"], 1),
                      template="the Hopper ping-pong matmul template")
