@@ -83,6 +83,8 @@ def form(spec: KernelSpec, sched, buffers: dict) -> Form | None:
     a, b = operand_box(dot.args[0], a_env, a_atoms), operand_box(dot.args[1], b_env, b_atoms)
     if a is None or b is None or a.inner != "kindex_a" or a.batch or b.batch:
         return None
+    if sched.special and dot.dtype != dot.args[0].dtype:  # a chunked epilogue reads the product rounded to it
+        return None
     root, buf = spec.roots[0]
     out_buf = buffers[buf]
     if ops.itemsize(out_buf.dtype) != 2 or out_buf.kind == "input":
