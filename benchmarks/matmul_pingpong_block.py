@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    os.environ["EQFUSE_PINGPONG"] = "1"
+    os.environ.pop("EQFUSE_PINGPONG", None)  # the template on (its default)
     os.environ["EQFUSE_PLAN_CACHE"] = "0"
     offered = pingpong.candidates
     make, make_inputs = MODELS["gpt2"]

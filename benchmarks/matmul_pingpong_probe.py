@@ -61,8 +61,10 @@ tile stored in fp16, 4 stages) or 98.6 (the accumulator in fp32, which leaves ro
 stages only), against the generated kernel's 96.4. Generated Triton kernels do not suffer
 it: all warps run one copy in step (a runtime loop over the epilogue's column parts in
 place of the unrolled halves ran 103-107 us against 97). gelu's tanh form as eqfuse writes
-tanh (2 sigmoid(2u) - 1) ran 74.4 in halves and 86.8 chunked, against 86.1 generated: that
-form is what eqfuse now runs as codegen/matmul_hopper.py, an autotuning candidate.
+tanh (2 sigmoid(2u) - 1) ran 74.4 in halves and 86.8 chunked, against 86.1 generated.
+eqfuse now runs this kernel as codegen/matmul_hopper.py, an autotuning candidate: in
+halves for a light epilogue, chunked (the product rounded to fp16 first, 4 stages) for one
+with a special function.
 
 The epilogue is a ``@gluon.jit`` function passed as a constexpr: ``EPILOGUE(acc, mindex,
 nindex, *epi_args)`` returns the output tile; ``mindex`` and ``nindex`` are the rows and
