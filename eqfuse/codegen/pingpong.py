@@ -2,8 +2,9 @@
 and its source: the template called with the kernel's own epilogue.
 
 The template computes one product of two half-precision operands read as stored (A with K
-contiguous; B with N or K contiguous; strides and offsets TMA takes) and stores one output
-tile of a 16-bit dtype through TMA; whatever the plan computes from the accumulator (a
+contiguous; B with N or K contiguous; strides and offsets TMA takes) into one output of a
+16-bit dtype (TMA reads the operands; the output is stored by TMA or, from a chunked
+epilogue, by pointer); whatever the plan computes from the accumulator (a
 bias, an activation, a residual, a cast) is its epilogue. That epilogue is the one the
 Triton kernel would run: ``KernelWriter`` writes it, and its lines are spelled in Gluon,
 whose operators have the same names (``gl.load``, ``gl.erf``...) and semantics. An epilogue
@@ -12,9 +13,11 @@ a second product or a second output keeps the Triton kernel.
 
 The template is one autotuning candidate among the Triton kernel's, on Hopper (compute
 capability 9.0, compiled; ``EQFUSE_PINGPONG=0`` turns it off): it hides the epilogue behind
-the next tile's K loop (the autotuner keeps the Triton kernel where that loses: GPT-2's
-MLP output product, K = 3072 with a residual added). An epilogue that computes a special function
-(erf, exp, tanh...) runs in chunks of rows (``CHUNK``), so that each consumer's copy of its
+the next tile's K loop (benchmarks/matmul.py, H100: gelu(x@W+b) at 8192 x 4096 x 4096 and
+SwiGLU's gate product at Llama-7B sizes took it; the autotuner keeps the Triton kernel
+where it loses: GPT-2's MLP output product, K = 3072 with a residual added). An epilogue
+that computes a special function (erf, exp, tanh...) runs in chunks of rows (``CHUNK``),
+so that each consumer's copy of its
 code is one chunk's: unrolled over the tile, two copies of erf's overflowed the
 instruction cache, and in GPT-2's block the MLP product with tanh-form gelu ran 87-88 us
 against the Triton kernel's 82, though 75 against 84 alone. Chunked, on an H100
