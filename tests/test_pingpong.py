@@ -126,6 +126,18 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
     assert pingpong.candidates(k.schedule) == [] and not pingpong.runnable(cfg, k.schedule)
 
 
+@pytest.mark.parametrize("name,first", [("gelu_bias", True), ("silu_linear", True), ("relu_scaled", False),
+                                        ("linear_residual", False)])
+def test_an_untuned_build_takes_the_template_first_for_a_special_function(monkeypatch, name, first):
+    from eqfuse.codegen.kernel import fallback_candidates, tuning_candidates
+    _, k, _ = matmul_kernel(name)
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    assert bool(fallback_candidates(k.schedule)[0].get("PINGPONG")) == first
+    assert any(c.get("PINGPONG") for c in tuning_candidates(k.schedule))  # the autotuner times it anyway
+    monkeypatch.setenv("EQFUSE_PINGPONG", "0")
+    assert not any(c.get("PINGPONG") for c in fallback_candidates(k.schedule))
+
+
 def test_no_candidate_without_a_hopper_gpu(monkeypatch):
     _, k, _ = matmul_kernel("relu_scaled")
     monkeypatch.setattr(flash, "device_supports", lambda: False)
