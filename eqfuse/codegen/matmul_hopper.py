@@ -10,21 +10,25 @@ turns also keep a consumer from waiting on a ring slot two fills ahead, where an
 mbarrier's phase parity cannot tell the fill it wants from the one before.
 
 The epilogue is a ``@gluon.jit`` function passed as a constexpr (codegen/pingpong.py
-writes it from the kernel's plan): ``EPILOGUE(acc, mindex, nindex, M, N, *epi_args)``
-returns the output tile for half a consumer's accumulator (``[BLOCK_M, BLOCK_N / 2]``,
-float32); ``mindex`` and ``nindex`` are its rows and columns in the accumulator's layout,
-so that loads made from them come back in it. The output is staged in shared memory and
-stored by TMA, which drops what falls past M and N; TMA reads zeros past them and past K.
+writes it from the kernel's plan): ``EPILOGUE(x, mindex, nindex, M, N, *epi_args)`` returns
+the output for a float32 tile ``x`` of the product; ``mindex`` and ``nindex`` are its rows
+and columns in its layout, so that loads made from them come back in it. Each consumer has
+its own copy of the epilogue's code, so there are two forms:
+
+* in halves (CHUNK = 0): ``x`` is half a consumer's accumulator, ``[BLOCK_M, BLOCK_N / 2]``
+  in the MMA layout; the output is staged in shared memory and stored by TMA, which drops
+  what falls past M and N (TMA reads zeros past them and past K);
+* in chunks of CHUNK rows (``_chunked_epilogue``), for an epilogue with a special
+  function: the product rounded to the operands' dtype goes through shared memory and the
+  epilogue runs in a loop, its code one chunk's. Unrolled over a tile, two copies of erf's
+  overflow the instruction cache (the erf form ran 146 us at GPT-2's MLP shape, 86 chunked).
 
 Measured (NVIDIA H100, the autotuner's timings of each kernel alone): GPT-2's MLP shape,
 8192 x 3072 x 768 fp16 with a bias and gelu's tanh form, 78.0 us against the best Triton
 kernel's 86.2 (cuBLAS's product alone 62.9); with gelu's erf form 86.8 against 97.4; at
 8192 x 4096 x 4096, 436.5 against 460.6 (the product alone through this K loop is about
-1.06x cuBLAS's). Each consumer has its own
-copy of the epilogue's code: an epilogue with a special function runs in chunks of rows
-(CHUNK, ``_chunked_epilogue``), whose code is one chunk's, as two copies of it unrolled
-over a tile overflow the instruction cache (the erf form ran 146 us at GPT-2's shape).
-The autotuner times the template beside the Triton kernels and keeps the faster.
+1.06x cuBLAS's). The autotuner times the template beside the Triton kernels and keeps the
+faster.
 """
 
 from __future__ import annotations
