@@ -205,7 +205,7 @@ for source, name, params, constexprs in json.loads(sys.stdin.read()):
     sig = {p: "*fp16" if p in params else "constexpr" for p in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if p in params}
     # the key a compile worker that has loaded nothing yet files it under
-    sys.modules.pop("eqfuse_compile_worker_template_matmul_hopper", None)
+    sys.modules.pop("eqfuse_compile_worker_matmul_hopper", None)
     twin = getattr(load_kernels(fn.fn.__code__.co_filename, {}), name)
     same_key = ast_source(twin, sig, constexprs, attrs).hash() == ast_source(fn, sig, constexprs, attrs).hash()
     k = triton.compile(ast_source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),

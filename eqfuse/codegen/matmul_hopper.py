@@ -45,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 # Registers a thread: at launch, 12 warps (the loader's warp counts as a warpgroup) x 32 x
 # 168 fit the SM's 64K; then the loader gives back most of its own to the consumers.
+# The same split as flash_hopper's, spelled again: compile workers load each template file
+# alone, without its package (runtime/compile_worker.py), so neither imports the other.
 MAXNREG = 168
 CONSUMER_REGS = gl.constexpr(240)
 LOADER_REGS = gl.constexpr(24)

@@ -140,26 +140,29 @@ def _in_gluon(lines: list, acc: str, buffers: set) -> tuple | None:
     return (out, args) if not unknown else None
 
 
+def _config(programs) -> dict:
+    """The template's configuration, on ``programs`` persistent programs."""
+    bm, bn, bk, stages = TILE
+    return {"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
+            "num_stages": stages, "PROGRAMS": programs}
+
+
 def candidates(sched) -> list[dict]:
     """The template's configuration for a schedule it may run (``eligible``) on this GPU."""
     from .flash import device_supports
 
     if not eligible(sched) or not offered() or not device_supports():
         return []
-    bm, bn, bk, stages = TILE
-    return [{"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
-             "num_stages": stages, "PROGRAMS": min(tma.sm_count(), -(-sched.m // bm) * -(-sched.n // bn))}]
+    bm, bn = TILE[:2]
+    return [_config(min(tma.sm_count(), -(-sched.m // bm) * -(-sched.n // bn)))]
 
 
 def runnable(cfg: dict, sched) -> bool:
     """Whether ``cfg`` (from a cache, or a user) is the template's, for a schedule it may
     run and is offered for."""
-    bm, bn, bk, stages = TILE
-    want = {"PINGPONG": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
-            "num_stages": stages}
     programs = cfg.get("PROGRAMS")
     return sched is not None and eligible(sched) and offered() and isinstance(programs, int) and \
-        programs >= 1 and {k: v for k, v in cfg.items() if k != "PROGRAMS"} == want
+        programs >= 1 and cfg == _config(programs)
 
 
 def pointer_config(cfg: dict) -> dict:
@@ -188,6 +191,11 @@ def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozens
     epi += ["    " + line for line in f.lines]
     offsets = [f"{p} + {box.offset}" if box.offset else p for p, box in ((f.a.buf, f.a), (f.b.buf, f.b))]
     epi_args = "".join(f"{a}, " for a in f.args)
+    # matmul_pingpong's constexprs, in its order: the wrapper takes them and hands them on
+    values = {"M": sched.m, "N": sched.n, "K": sched.k, "SA": f.a.stride, "SB": f.b.stride, "SC": f.out.stride,
+              "B_KMAJOR": f.b.inner == "kindex_b", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+              "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "STAGES": cfg["num_stages"],
+              "PROGRAMS": cfg["PROGRAMS"], "CHUNK": CHUNK if sched.special else 0}
     text = "\n".join([
         f"# {name}: the Hopper ping-pong matmul template (eqfuse/codegen/matmul_hopper.py) with this kernel's",
         f"# epilogue; FX nodes: {doc}",
@@ -202,18 +210,11 @@ def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozens
         "",
         "",
         "@gluon.jit",
-        f"def {name}({', '.join(params)}, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, SA: gl.constexpr, "
-        "SB: gl.constexpr, SC: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, "
-        "BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, "
-        "CHUNK: gl.constexpr):",
+        f"def {name}({', '.join(params + [f'{k}: gl.constexpr' for k in values])}):",
         f'    """FX nodes: {doc}"""',
-        f"    matmul_pingpong({offsets[0]}, {offsets[1]}, {f.out.buf}, {name}_epilogue, ({epi_args}), M, N, K, SA, SB,"
-        " SC, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, PROGRAMS, CHUNK)",
+        f"    matmul_pingpong({offsets[0]}, {offsets[1]}, {f.out.buf}, {name}_epilogue, ({epi_args}), "
+        f"{', '.join(values)})",
         ""])
-    values = {"M": sched.m, "N": sched.n, "K": sched.k, "SA": f.a.stride, "SB": f.b.stride, "SC": f.out.stride,
-              "B_KMAJOR": f.b.inner == "kindex_b", "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
-              "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "STAGES": cfg["num_stages"],
-              "PROGRAMS": cfg["PROGRAMS"], "CHUNK": CHUNK if sched.special else 0}
     return Generated(text, sched, cfg, params, [f.a.buf, f.b.buf, f.out.buf], constexprs=values,
                      launch={"num_warps": 4, "maxnreg": matmul_hopper.MAXNREG}, grid=(cfg["PROGRAMS"], 1),
                      template="the Hopper ping-pong matmul template")

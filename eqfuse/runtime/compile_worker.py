@@ -56,16 +56,7 @@ def _stubbed(line: str) -> str:
 
 def _template(module: str):
     """The template module ``module`` (one of TEMPLATES), loaded once from its file."""
-    import importlib.util
-
-    name = f"eqfuse_compile_worker_template_{module.rsplit('.', 1)[-1]}"
-    if name not in sys.modules:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        spec = importlib.util.spec_from_file_location(name, os.path.join(root, TEMPLATES[module]))
-        loaded = importlib.util.module_from_spec(spec)
-        sys.modules[name] = loaded
-        spec.loader.exec_module(loaded)
-    return sys.modules[name]
+    return _load_file(TEMPLATES[module])
 
 
 def ast_source(fn, signature, constexprs, attrs):
@@ -213,15 +204,19 @@ def compile_job(job: dict, modules: dict) -> dict:
     return reply
 
 
-def _load_beside(name: str):
-    """The module ``name`` of this directory, loaded from its file (no package import)."""
+def _load_file(path: str):
+    """The module at ``path`` within the eqfuse package, loaded once from its file (no
+    package import: it imports no eqfuse)."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"eqfuse_compile_worker_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    name = f"eqfuse_compile_worker_{os.path.splitext(os.path.basename(path))[0]}"
+    if name not in sys.modules:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, path))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def main() -> int:
@@ -235,7 +230,7 @@ def main() -> int:
     jobs = sys.stdin.buffer
     modules: dict = {}
     import triton.compiler  # noqa: F401 - imported while the graph is still being built
-    _load_beside("ptx_loops").install()  # the K loops' nounroll mark (it imports no eqfuse)
+    _load_file("runtime/ptx_loops.py").install()  # the K loops' nounroll mark (it imports no eqfuse)
     while True:
         try:
             job = pickle.load(jobs)
