@@ -1,7 +1,8 @@
-"""The Hopper ping-pong matmul template (codegen/pingpong.py, codegen/matmul_hopper.py):
-which matmul kernels it can run, the epilogue it is handed (the Triton kernel's, spelled in
-Gluon), what the module launches when it is chosen, that it builds for sm_90 without a
-GPU, and, on a Hopper GPU, its values against eager at ragged sizes."""
+"""The Hopper matmul templates, ping-pong and cooperative (codegen/pingpong.py,
+codegen/matmul_hopper.py): which matmul kernels they can run, the epilogue they are handed
+(the Triton kernel's, spelled in Gluon), what the module launches when one is chosen, that
+they build for sm_90 without a GPU, and, on a Hopper GPU, their values against eager at
+ragged sizes."""
 
 import json
 import os
@@ -119,11 +120,15 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
     _, k, _ = matmul_kernel("gelu_bias")
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     monkeypatch.delenv("EQFUSE_PINGPONG", raising=False)
-    (cfg,) = pingpong.candidates(k.schedule)
-    assert cfg["PINGPONG"] == 1 and cfg["PROGRAMS"] == 1  # one 128 x 128 tile
-    assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 256}, k.schedule)
+    pp, coop = pingpong.candidates(k.schedule)
+    assert pp["TEMPLATE"] == "pingpong" and pp["PROGRAMS"] == 1  # one 128 x 128 tile
+    assert coop["TEMPLATE"] == "cooperative" and (coop["BLOCK_M"], coop["BLOCK_N"]) == (128, 256)
+    assert coop["LOADER"] == 0  # gelu: four epilogue warps, the ring filled by an MMA warpgroup
+    for cfg in (pp, coop):
+        assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 64}, k.schedule)
+    assert not pingpong.runnable({**coop, "LOADER": 1}, k.schedule)
     monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # off: neither offered nor taken from a cache
-    assert pingpong.candidates(k.schedule) == [] and not pingpong.runnable(cfg, k.schedule)
+    assert pingpong.candidates(k.schedule) == [] and not pingpong.runnable(pp, k.schedule)
 
 
 @pytest.mark.parametrize("name,first", [("gelu_bias", True), ("silu_linear", True), ("relu_scaled", False),
@@ -132,10 +137,11 @@ def test_an_untuned_build_takes_the_template_first_for_a_special_function(monkey
     from eqfuse.codegen.kernel import fallback_candidates, tuning_candidates
     _, k, _ = matmul_kernel(name)
     monkeypatch.setattr(flash, "device_supports", lambda: True)
-    assert bool(fallback_candidates(k.schedule)[0].get("PINGPONG")) == first
-    assert any(c.get("PINGPONG") for c in tuning_candidates(k.schedule))  # the autotuner times it anyway
+    assert (fallback_candidates(k.schedule)[0].get("TEMPLATE") == "pingpong") == first
+    tuned = {c.get("TEMPLATE") for c in tuning_candidates(k.schedule)}
+    assert {"pingpong", "cooperative"} <= tuned  # the autotuner times both anyway
     monkeypatch.setenv("EQFUSE_PINGPONG", "0")
-    assert not any(c.get("PINGPONG") for c in fallback_candidates(k.schedule))
+    assert not any(c.get("TEMPLATE") for c in fallback_candidates(k.schedule))
 
 
 def test_no_candidate_without_a_hopper_gpu(monkeypatch):
@@ -144,13 +150,17 @@ def test_no_candidate_without_a_hopper_gpu(monkeypatch):
     assert pingpong.candidates(k.schedule) == []
 
 
-def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE):
-    """The module with the kernel as the template, as a Hopper GPU's autotuner would make it."""
+def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE,
+                    template="pingpong", loader=None):
+    """The module with the kernel as a template, as a Hopper GPU's autotuner would make it
+    (the cooperative one's ring filled by a loader warp or not, where ``loader`` says)."""
     inputs = make_inputs(name, m, n, k, dtype, device)
     compiled = eqfuse.compile(FNS[name], tuple(inputs), autotune=False)
     (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "matmul"]
     monkeypatch.setattr(flash, "device_supports", lambda: True)
-    (cfg,) = pingpong.candidates(kernel.schedule)
+    (cfg,) = [c for c in pingpong.candidates(kernel.schedule) if c["TEMPLATE"] == template]
+    if loader is not None:
+        cfg = {**cfg, "LOADER": loader}
     source, infos = generate_module(compiled.plan, name, "test", {kernel.name: cfg})
     (info,) = [i for i in infos if i.name == kernel.name]
     return compiled, info, source, inputs
@@ -165,7 +175,18 @@ def test_the_module_launches_the_template_with_the_triton_kernel_for_unaligned_a
     assert info.launch == {"num_warps": 4, "maxnreg": 168} and info.grid == (c["PROGRAMS"], 1)
     assert info.template == "the Hopper ping-pong matmul template"
     assert info.fallback is not None and info.fallback.params == info.params
-    assert "PINGPONG" not in info.fallback.constexprs and f"{info.name}_unaligned_launch" in source
+    assert "TEMPLATE" not in info.fallback.constexprs and f"{info.name}_unaligned_launch" in source
+
+
+def test_the_cooperative_template_shares_a_tile_between_two_warpgroups(monkeypatch):
+    compiled, info, source, _ = template_module(monkeypatch, "gelu_bias", m=300, n=600, k=64,
+                                                template="cooperative")
+    assert "from eqfuse.codegen.matmul_hopper import matmul_cooperative" in source
+    c = info.constexprs
+    assert (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["LOADER"]) == (64, 256, 3, 0)  # 64 rows a warpgroup
+    assert c["PROGRAMS"] == 3 * 3 and "CHUNK" not in c  # 128 x 256 tiles; its epilogue always chunked
+    assert info.template == "the Hopper cooperative matmul template"
+    assert info.fallback.config["BLOCK_M"] == 128 and info.fallback.config["BLOCK_N"] == 256
 
 
 @pytest.mark.parametrize("name,chunk", [("gelu_bias", 16), ("silu_linear", 16), ("linear_residual", 0)])
@@ -180,7 +201,7 @@ def test_a_sized_module_keeps_the_triton_kernel(monkeypatch):
     from eqfuse.codegen.kernel import generate_kernel
     compiled, info, _, _ = template_module(monkeypatch, "gelu_bias")
     g = generate_kernel(info.spec, compiled.plan.buffers, info.config, runtime=frozenset({"M"}))
-    assert g.constexprs is None and "@triton.jit" in g.text and "PINGPONG" not in g.cfg
+    assert g.constexprs is None and "@triton.jit" in g.text and "TEMPLATE" not in g.cfg
 
 
 def test_the_compile_worker_loads_the_template_module():
@@ -212,7 +233,7 @@ for source, name, params, constexprs in json.loads(sys.stdin.read()):
                        options={"num_warps": 4, "maxnreg": 168})
     ptx = k.asm["ptx"]
     out.append({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
-                "setmaxnreg": "setmaxnreg" in ptx, "tma_store": "cp.async.bulk.tensor" in ptx, "same_key": same_key})
+                "setmaxnreg": "setmaxnreg" in ptx, "tma": "cp.async.bulk.tensor" in ptx, "same_key": same_key})
 print(json.dumps(out))
 """
 
@@ -223,8 +244,10 @@ def test_the_template_compiles_for_sm90_without_a_gpu(monkeypatch):
     the consumers, shared memory under the H100's 227 KB; a compile worker keys each as the
     JIT does (in a child process: one that interprets Triton kernels cannot compile them)."""
     jobs = []
-    for name in ("gelu_bias", "linear_residual", "silu_linear"):
-        _, info, _, _ = template_module(monkeypatch, name, m=256, n=256, k=128)
+    for name, template, loader in [("gelu_bias", "pingpong", None), ("linear_residual", "pingpong", None),
+                                   ("silu_linear", "pingpong", None), ("gelu_bias", "cooperative", 0),
+                                   ("linear_residual", "cooperative", 1)]:
+        _, info, _, _ = template_module(monkeypatch, name, m=256, n=256, k=128, template=template, loader=loader)
         jobs.append((info.source, info.name, info.params, info.constexprs))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(eqfuse.__file__)),
@@ -233,7 +256,7 @@ def test_the_template_compiles_for_sm90_without_a_gpu(monkeypatch):
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for kernel in json.loads(proc.stdout.strip().splitlines()[-1]):
-        assert kernel["shared"] <= 232448 and kernel["wgmma"] >= 4 and kernel["setmaxnreg"] and kernel["tma_store"]
+        assert kernel["shared"] <= 232448 and kernel["wgmma"] >= 2 and kernel["setmaxnreg"] and kernel["tma"]
         assert kernel["same_key"]
 
 
@@ -246,9 +269,10 @@ def _hopper() -> bool:
 @pytest.mark.parametrize("m,n,k", [(17, 72, 64), (100, 200, 64), (300, 264, 200), (1024, 768, 768)])
 @pytest.mark.parametrize("name", list(FNS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_template_matches_eager(monkeypatch, name, m, n, k, dtype):
-    compiled, info, source, inputs = template_module(monkeypatch, name, m, n, k, dtype, "cuda")
-    assert info.template
+@pytest.mark.parametrize("template,loader", [("pingpong", None), ("cooperative", 0), ("cooperative", 1)])
+def test_template_matches_eager(monkeypatch, name, m, n, k, dtype, template, loader):
+    compiled, info, source, inputs = template_module(monkeypatch, name, m, n, k, dtype, "cuda", template, loader)
+    assert template in info.template.replace("-", "")
     module = cache.load_module(cache.cache_key(source, "cuda"), source, interpret=False)
     got = module.call(inputs[0].device, [], *inputs)[0]
     assert_matches(got, FNS[name](*inputs), contraction=True)

@@ -1108,7 +1108,7 @@ def column_config(rows: int, block_r: int | None = None, warps: int = 4) -> dict
 def fits(sched: Schedule, cfg: dict) -> bool:
     """Whether a configuration is one this schedule can run with (a tuned config read back
     from a cache is checked, never trusted)."""
-    if sched.kind == "matmul" and "PINGPONG" in cfg:
+    if sched.kind == "matmul" and "TEMPLATE" in cfg:
         return pingpong.runnable(cfg, sched)
     if sched.kind == "matmul":
         return tiles.runnable(cfg, sched)
@@ -1164,7 +1164,7 @@ def fallback_candidates(sched: Schedule) -> list[dict]:
         # gelu(x@W+b) at GPT-2's, BERT's and the issue's shapes, SwiGLU's gate product,
         # inside GPT-2's and BERT's blocks too; codegen/pingpong.py); elsewhere it won some
         # and lost some, and only the autotuner offers it.
-        first = pingpong.candidates(sched) if sched.special else []
+        first = [c for c in pingpong.candidates(sched) if c["TEMPLATE"] == "pingpong"] if sched.special else []
         return first + tiles.ranked(sched)
     return tuning_candidates(sched)
 
@@ -1177,7 +1177,7 @@ def unaligned_config(sched: Schedule, cfg: dict) -> dict:
     if cfg.get("FLASH"):
         from . import attention
         return next(c for c in attention.candidates(sched) if "FLASH" not in c)
-    if cfg.get("PINGPONG"):
+    if cfg.get("TEMPLATE"):
         return pingpong.pointer_config(cfg)
     return {k: v for k, v in cfg.items() if k != "PROGRAMS"}
 
@@ -1223,7 +1223,7 @@ def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
         if g is not None:
             return g
         cfg = unaligned_config(sched, cfg)  # the portable kernel (the default may be the template)
-    if cfg.get("PINGPONG"):
+    if cfg.get("TEMPLATE"):
         g = pingpong.generate(spec, sched, buffers, cfg, runtime)
         if g is not None:
             return g

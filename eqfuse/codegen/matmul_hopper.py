@@ -70,29 +70,38 @@ def _tile(tile, TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.conste
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty,
+def _fill(g, pid_m, pid_n, kk, a_desc, b_desc, a_smem, b_smem, ready, empty, PARTS: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+          B_KMAJOR: gl.constexpr):
+    """Ring fill g, once a consumer has released its slot: K step kk of the tile's A rows,
+    in PARTS boxes of BLOCK_M (one a consumer warpgroup), and of its B columns. A fresh
+    mbarrier counts as having completed the phase before its first: the first pass does
+    not wait."""
+    slot = g % STAGES
+    mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    for part in gl.static_range(PARTS):
+        tma.async_copy_global_to_shared(a_desc, [(pid_m * PARTS + part) * BLOCK_M, kk * BLOCK_K], ready.index(slot),
+                                        a_smem.index(slot * PARTS + part))
+    if B_KMAJOR:
+        tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(slot), b_smem.index(slot))
+    else:
+        tma.async_copy_global_to_shared(b_desc, [kk * BLOCK_K, pid_n * BLOCK_N], ready.index(slot), b_smem.index(slot))
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, PARTS: gl.constexpr,
             K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
             TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
             PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
-    """One warp: the A and B tiles of each of the program's output tiles, K step by K step,
-    into the ring as soon as a consumer has released the slot. A fresh mbarrier counts as
-    having completed the phase before its first: the first pass does not wait."""
+    """One warp: each of the program's output tiles, K step by K step, into the ring."""
     KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     g = 0  # ring fills, over all tiles
     for tile in range(gl.program_id(0), TILES_M * TILES_N, PROGRAMS):
         pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
         for kk in range(KT):
-            slot = g % STAGES
-            mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(slot),
-                                            a_smem.index(slot))
-            if B_KMAJOR:
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(slot),
-                                                b_smem.index(slot))
-            else:
-                tma.async_copy_global_to_shared(b_desc, [kk * BLOCK_K, pid_n * BLOCK_N], ready.index(slot),
-                                                b_smem.index(slot))
+            _fill(g, pid_m, pid_n, kk, a_desc, b_desc, a_smem, b_smem, ready, empty, PARTS, BLOCK_M, BLOCK_N,
+                  BLOCK_K, STAGES, B_KMAJOR)
             g += 1
 
 
@@ -140,26 +149,37 @@ def _epilogue(acc, m0, n0, staging, EPILOGUE: gl.constexpr, epi_args, M: gl.cons
 
 
 @gluon.jit
+def _store_chunks(chunks, first, row0, pid_n, c_ptr, EPILOGUE: gl.constexpr, epi_args, COUNT: gl.constexpr,
+                  M: gl.constexpr, N: gl.constexpr, SC: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
+    """The epilogue of COUNT chunks of CHUNK rows from shared memory (``chunks.index(first)``
+    on, the output's rows from row0), one at a time in a loop so that its code is one
+    chunk's: each loaded in a row layout over the partition's warps, its epilogue computed
+    and stored from there (masked at M and N)."""
+    out: gl.constexpr = c_ptr.dtype.element_ty
+    LANES_N: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32  # 8 elements (16 bytes) a thread
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0])
+    r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))[:, None]
+    nindex = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
+    for i in range(COUNT):
+        x = chunks.index(first + i).load(layout).to(gl.float32)
+        mindex = row0 + i * CHUNK + r
+        y = EPILOGUE(x, mindex, nindex, M, N, *epi_args)
+        gl.store(c_ptr + mindex * SC + nindex, y.to(out), mask=(mindex < M) & (nindex < N))
+
+
+@gluon.jit
 def _chunked_epilogue(acc, pid_m, pid_n, rows, chunks, c_ptr, EPILOGUE: gl.constexpr, epi_args, WHICH: gl.constexpr,
                       M: gl.constexpr, N: gl.constexpr, SC: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
-    """The epilogue of a whole tile, CHUNK rows at a time in a loop, so that its code is one
-    chunk's: the product rounded to the operands' dtype (the graph's own product is) into
-    this consumer's rows of shared memory, then each chunk loaded in a row layout, its
-    epilogue computed and stored from there (masked at M and N)."""
+    """The epilogue of a whole tile in chunks of rows: the product rounded to the operands'
+    dtype (the graph's own product is) into this consumer's rows of shared memory, then
+    ``_store_chunks``."""
     NCH: gl.constexpr = BLOCK_M // CHUNK
-    out: gl.constexpr = c_ptr.dtype.element_ty
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     gl.thread_barrier()  # the last tile's chunks are read
     rows.store(acc.to(rows.dtype))
     gl.thread_barrier()
-    r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))[:, None]
-    nindex = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))[None, :]
-    for i in range(NCH):
-        x = chunks.index(WHICH * NCH + i).load(layout).to(gl.float32)
-        mindex = pid_m * BLOCK_M + i * CHUNK + r
-        y = EPILOGUE(x, mindex, nindex, M, N, *epi_args)
-        gl.store(c_ptr + mindex * SC + nindex, y.to(out), mask=(mindex < M) & (nindex < N))
+    _store_chunks(chunks, WHICH * NCH, pid_m * BLOCK_M, pid_n, c_ptr, EPILOGUE, epi_args, NCH, M, N, SC, BLOCK_N,
+                  CHUNK)
 
 
 @gluon.jit
@@ -249,9 +269,157 @@ def matmul_pingpong(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
                      BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, CHUNK)),
         (_consumer, (c_out, a_smem, b_smem, c_smem, ready, empty, turn, 1, EPILOGUE, epi_args, M, N, K, SC, BLOCK_M,
                      BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, CHUNK)),
-        (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, K, BLOCK_M, BLOCK_N, BLOCK_K,
+        (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, 1, K, BLOCK_M, BLOCK_N, BLOCK_K,
                    TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# The cooperative template's registers: 12 warps at launch (two MMA warpgroups, and a third
+# of the epilogue's warps and the loader's, padded to a warpgroup) x 32 x 168 fit the 64K;
+# then the MMA warpgroups take 200 (a 64 x 256 accumulator is 128) and the third 104.
+MMA_REGS = gl.constexpr(200)
+EPILOGUE_REGS = gl.constexpr(104)
+
+
+@gluon.jit
+def _cooperative_mma(a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, WHICH: gl.constexpr,
+                     K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                     TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                     PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr, LOADER: gl.constexpr):
+    """MMA warpgroup WHICH: rows WHICH of each of the program's tiles, K step by K step on
+    the tensor cores (its own A box, the B tile both warpgroups read), each slot given back
+    once its product is done; then the product, rounded to the operands' dtype, into its
+    rows of the staging tile once the epilogue has read the last one. Without a loader
+    warp (LOADER 0), warpgroup 0 issues the ring's fills itself, STAGES - 1 ahead."""
+    KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=layout)
+    rows = staging.slice(WHICH * BLOCK_M, BLOCK_M)
+    tiles = (TILES_M * TILES_N - gl.program_id(0) + PROGRAMS - 1) // PROGRAMS
+    fills = tiles * KT
+    PRODUCER: gl.constexpr = not LOADER and WHICH == 0
+    if PRODUCER:
+        for p in range(gl.minimum(STAGES - 1, fills)):
+            _fill_at(p, a_desc, b_desc, a_smem, b_smem, ready, empty, KT, BLOCK_M, BLOCK_N, BLOCK_K, TILES_M,
+                     TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)
+    g = 0  # ring fills consumed, over all tiles
+    for t in range(tiles):
+        acc = zero
+        for kk in range(KT):
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            if B_KMAJOR:
+                b = b_smem.index(slot).permute((1, 0))
+            else:
+                b = b_smem.index(slot)
+            acc = warpgroup_mma(a_smem.index(2 * slot + WHICH), b, acc, use_acc=kk > 0, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous product is done: its slot goes back
+            if kk > 0:
+                mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+            if PRODUCER:
+                if g + STAGES - 1 < fills:  # into the slot just given back, once the other has too
+                    _fill_at(g + STAGES - 1, a_desc, b_desc, a_smem, b_smem, ready, empty, KT, BLOCK_M, BLOCK_N,
+                             BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)
+            g += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+        mbarrier.wait(acc_free.index(WHICH), (t & 1) ^ 1)
+        rows.store(acc.to(rows.dtype))
+        gl.thread_barrier()  # every thread's rows are in before the epilogue is told
+        mbarrier.arrive(acc_ready.index(WHICH), count=1)
+
+
+@gluon.jit
+def _fill_at(p, a_desc, b_desc, a_smem, b_smem, ready, empty, KT: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, TILES_M: gl.constexpr, TILES_N: gl.constexpr,
+             GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """The program's ring fill p, of a cooperative tile (two A boxes)."""
+    pid_m, pid_n = _tile(gl.program_id(0) + (p // KT) * PROGRAMS, TILES_M, TILES_N, GROUP_M)
+    _fill(p, pid_m, pid_n, p % KT, a_desc, b_desc, a_smem, b_smem, ready, empty, 2, BLOCK_M, BLOCK_N, BLOCK_K,
+          STAGES, B_KMAJOR)
+
+
+@gluon.jit
+def _cooperative_epilogue(staging, acc_ready, acc_free, c_ptr, EPILOGUE: gl.constexpr, epi_args, M: gl.constexpr,
+                          N: gl.constexpr, SC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr,
+                          PROGRAMS: gl.constexpr):
+    """The epilogue's warps: each tile's two halves from the staging tile, in chunks of
+    rows (``_store_chunks``), each half given back to its MMA warpgroup once read."""
+    CHUNK: gl.constexpr = 4 * gl.num_warps()  # 32 elements a thread at 256 columns
+    NCH: gl.constexpr = BLOCK_M // CHUNK
+    chunks = staging._reinterpret(staging.dtype, [2 * NCH, CHUNK, BLOCK_N], staging.layout)
+    t = 0
+    for tile in range(gl.program_id(0), TILES_M * TILES_N, PROGRAMS):
+        pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
+        for half in gl.static_range(2):
+            mbarrier.wait(acc_ready.index(half), t & 1)
+            _store_chunks(chunks, half * NCH, (2 * pid_m + half) * BLOCK_M, pid_n, c_ptr, EPILOGUE, epi_args, NCH,
+                          M, N, SC, BLOCK_N, CHUNK)
+            gl.thread_barrier()  # every warp has read the half
+            mbarrier.arrive(acc_free.index(half), count=1)
+        t += 1
+
+
+@gluon.jit
+def matmul_cooperative(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
+                       M: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
+                       SA: gl.constexpr, SB: gl.constexpr, SC: gl.constexpr, B_KMAJOR: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, PROGRAMS: gl.constexpr, LOADER: gl.constexpr):
+    """``C = EPILOGUE(A @ B)`` as matmul_pingpong's, in tiles of 2 BLOCK_M x BLOCK_N that two
+    MMA warpgroups share (BLOCK_M rows each; one B tile for both, so fewer bytes from L2 a
+    product than two ping-pong tiles), the epilogue run by warps of its own from a staging
+    copy of the product while the next tile's K loop runs. The ring is filled by a loader
+    warp beside two epilogue warps (LOADER 1), or by the first MMA warpgroup beside four
+    epilogue warps (LOADER 0: more hands for a costly epilogue). Launched with
+    ``num_warps=4`` and ``maxnreg=MAXNREG``."""
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[SA, 1], block_shape=[BLOCK_M, BLOCK_K],
+                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    if B_KMAJOR:
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[SB, 1], block_shape=[BLOCK_N, BLOCK_K],
+                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype))
+    else:
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[SB, 1], block_shape=[BLOCK_K, BLOCK_N],
+                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    TILES_M: gl.constexpr = (M + 2 * BLOCK_M - 1) // (2 * BLOCK_M)
+    TILES_N: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    a_smem = gl.allocate_shared_memory(dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    # both warpgroups' rows, in the operands' dtype; swizzled every 8 rows (a chunk's multiple)
+    staging = gl.allocate_shared_memory(dtype, [2 * BLOCK_M, BLOCK_N], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    acc_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both MMA warpgroups read each slot
+    for i in gl.static_range(2):
+        mbarrier.init(acc_ready.index(i), count=1)
+        mbarrier.init(acc_free.index(i), count=1)
+    if LOADER:
+        gl.warp_specialize([
+            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, 0, K,
+                                BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 1)),
+            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, 1, K,
+                                BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 1)),
+            (_cooperative_epilogue, (staging, acc_ready, acc_free, c_ptr, EPILOGUE, epi_args, M, N, SC, BLOCK_M,
+                                     BLOCK_N, TILES_M, TILES_N, GROUP_M, PROGRAMS)),
+            (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, 2, K, BLOCK_M, BLOCK_N, BLOCK_K, TILES_M,
+                       TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
+        ], [4, 2, 1], [MMA_REGS, EPILOGUE_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, 0, K,
+                                BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 0)),
+            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, 1, K,
+                                BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 0)),
+            (_cooperative_epilogue, (staging, acc_ready, acc_free, c_ptr, EPILOGUE, epi_args, M, N, SC, BLOCK_M,
+                                     BLOCK_N, TILES_M, TILES_N, GROUP_M, PROGRAMS)),
+        ], [4, 4], [MMA_REGS, EPILOGUE_REGS])
 
 
 # Triton merges a callee's global constexprs (CONSUMER_REGS...) into its caller's cache key
@@ -259,4 +427,4 @@ def matmul_pingpong(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
 # keyed without them, later ones with them, and a compile worker (which sees one kernel)
 # would disagree with the JIT of the process that sent it (the pool then reported "compiled
 # under another key"). Computed here, at import, every caller's key is the same.
-CACHE_KEYS = (matmul_pingpong.cache_key, sigmoid.cache_key)
+CACHE_KEYS = (matmul_pingpong.cache_key, matmul_cooperative.cache_key, sigmoid.cache_key)
