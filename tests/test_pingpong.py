@@ -4,6 +4,7 @@ codegen/matmul_hopper.py): which matmul kernels they can run, the epilogue they 
 they build for sm_90 without a GPU, and, on a Hopper GPU, their values against eager at
 ragged sizes."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -126,7 +127,11 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
     assert coop["LOADER"] == 0  # gelu: four epilogue warps, the ring filled by an MMA warpgroup
     for cfg in (pp, coop):
         assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 64}, k.schedule)
-    assert not pingpong.runnable({**coop, "LOADER": 1}, k.schedule)
+    assert pingpong.runnable({**coop, "LOADER": 1}, k.schedule) and not pingpong.runnable({**coop, "LOADER": 2},
+                                                                                          k.schedule)
+    unrounded = dataclasses.replace(k.schedule, rounded=False)  # the product not in the operands' dtype
+    assert [c["TEMPLATE"] for c in pingpong.candidates(unrounded)] == ["pingpong"]
+    assert not pingpong.runnable(coop, unrounded)
     monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # off: neither offered nor taken from a cache
     assert pingpong.candidates(k.schedule) == [] and not pingpong.runnable(pp, k.schedule)
 
@@ -185,6 +190,7 @@ def test_the_cooperative_template_shares_a_tile_between_two_warpgroups(monkeypat
     c = info.constexprs
     assert (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["LOADER"]) == (64, 256, 3, 0)  # 64 rows a warpgroup
     assert c["PROGRAMS"] == 3 * 3 and "CHUNK" not in c  # 128 x 256 tiles; its epilogue always chunked
+    assert info.launch == {"num_warps": 4, "maxnreg": 168} and info.grid == (9, 1)
     assert info.template == "the Hopper cooperative matmul template"
     assert info.fallback.config["BLOCK_M"] == 128 and info.fallback.config["BLOCK_N"] == 256
 
@@ -248,6 +254,7 @@ def test_the_template_compiles_for_sm90_without_a_gpu(monkeypatch):
                                    ("silu_linear", "pingpong", None), ("gelu_bias", "cooperative", 0),
                                    ("linear_residual", "cooperative", 1)]:
         _, info, _, _ = template_module(monkeypatch, name, m=256, n=256, k=128, template=template, loader=loader)
+        assert template in info.template.replace("-", "")
         jobs.append((info.source, info.name, info.params, info.constexprs))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(eqfuse.__file__)),

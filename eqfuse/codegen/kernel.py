@@ -89,6 +89,7 @@ class Schedule:
     gathered: int = 0  # matmul: operand loads beyond one per operand (a concatenation's parts, selected per element)
     gathered_sides: tuple = ()  # matmul: the operands (0: A, 1: B) computed from several reads, in registers
     special: bool = False  # matmul: the kernel computes a special function (``special_function``)
+    rounded: bool = False  # matmul: the products are in their operands' dtype (an epilogue may read them so)
 
     @property
     def sizes(self) -> dict:
@@ -173,7 +174,7 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
                    tile_reads=_epilogue_tile_reads(spec, sched, dots),
                    gathered=sum(max(0, n - 1) for _, n in loads),
                    gathered_sides=tuple(sorted({side for side, n in loads if n > 1})),
-                   special=special_function(spec))
+                   special=special_function(spec), rounded=all(d.dtype == d.args[0].dtype for d in dots))
 
 
 def _epilogue_tile_reads(spec: KernelSpec, sched: Schedule, dots: list) -> int:

@@ -66,7 +66,6 @@ class Form:
     acc: str  # the accumulator's name in the epilogue's lines
     lines: tuple  # the epilogue in Gluon, ending in ``return``
     args: tuple  # buffers the epilogue reads
-    rounded: bool  # the graph's product is in the operands' dtype: an epilogue may read it from a staging copy
 
 
 def offered() -> bool:
@@ -93,8 +92,7 @@ def form(spec: KernelSpec, sched, buffers: dict) -> Form | None:
     a, b = operand_box(dot.args[0], a_env, a_atoms), operand_box(dot.args[1], b_env, b_atoms)
     if a is None or b is None or a.inner != "kindex_a" or a.batch or b.batch:
         return None
-    rounded = dot.dtype == dot.args[0].dtype
-    if sched.special and not rounded:  # a chunked epilogue reads the product rounded to it
+    if sched.special and not sched.rounded:  # a chunked epilogue reads the product rounded to the operands' dtype
         return None
     root, buf = spec.roots[0]
     out_buf = buffers[buf]
@@ -124,7 +122,7 @@ def form(spec: KernelSpec, sched, buffers: dict) -> Form | None:
     if gluon is None:
         return None
     lines, args = gluon
-    return Form(a, b, out, acc, tuple(lines), tuple(args), rounded)
+    return Form(a, b, out, acc, tuple(lines), tuple(args))
 
 
 def _in_gluon(lines: list, acc: str, buffers: set) -> tuple | None:
@@ -173,15 +171,23 @@ def candidates(sched) -> list[dict]:
 
     if not eligible(sched) or not offered() or not device_supports():
         return []
-    return [_config(t, _programs(t, sched), sched.special) for t in TEMPLATES]
+    # the cooperative epilogue always reads the product from a staging copy, in the operands' dtype
+    return [_config(t, _programs(t, sched), sched.special) for t in TEMPLATES
+            if t == "pingpong" or sched.rounded]
 
 
 def runnable(cfg: dict, sched) -> bool:
     """Whether ``cfg`` (from a cache, or a user) is a template's, for a schedule it may
     run and is offered for."""
     template, programs = cfg.get("TEMPLATE"), cfg.get("PROGRAMS")
-    return sched is not None and eligible(sched) and offered() and template in TEMPLATES and \
-        isinstance(programs, int) and programs >= 1 and cfg == _config(template, programs, sched.special)
+    if sched is None or not eligible(sched) or not offered() or template not in TEMPLATES or \
+            not isinstance(programs, int) or programs < 1:
+        return False
+    if template == "pingpong":
+        return cfg == _config(template, programs, sched.special)
+    # either way of filling the ring runs any epilogue (which is first is a choice for speed)
+    return sched.rounded and cfg.get("LOADER") in (0, 1) and \
+        {**cfg, "LOADER": 0} == {**_config(template, programs, sched.special), "LOADER": 0}
 
 
 def pointer_config(cfg: dict) -> dict:
@@ -199,10 +205,10 @@ def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozens
     from .kernel import Generated
 
     f = form(spec, sched, buffers) if not runtime else None
+    if f is None:
+        return None
     template = cfg["TEMPLATE"]
     cooperative = template == "cooperative"
-    if f is None or (cooperative and not f.rounded):  # its epilogue always reads a staging copy
-        return None
     kernel = TEMPLATES[template][0]
     params = list(dict.fromkeys([f.a.buf, f.b.buf, f.out.buf, *f.args]))
     name = spec.name
