@@ -121,14 +121,16 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
     _, k, _ = matmul_kernel("gelu_bias")
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     monkeypatch.delenv("EQFUSE_PINGPONG", raising=False)
-    pp, coop = pingpong.candidates(k.schedule)
+    pp, coop, coop4 = pingpong.candidates(k.schedule)
     assert pp["TEMPLATE"] == "pingpong" and pp["PROGRAMS"] == 1  # one 128 x 128 tile
     assert coop["TEMPLATE"] == "cooperative" and (coop["BLOCK_M"], coop["BLOCK_N"]) == (128, 256)
-    assert coop["LOADER"] == 0  # gelu: four epilogue warps, the ring filled by an MMA warpgroup
+    # gelu's erf: also four epilogue warps, the ring filled by an MMA warpgroup
+    assert (coop["LOADER"], coop4) == (1, {**coop, "LOADER": 0})
+    _, light, _ = matmul_kernel("relu_scaled")
+    assert [c.get("LOADER") for c in pingpong.candidates(light.schedule)] == [None, 1]
     for cfg in (pp, coop):
         assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 64}, k.schedule)
-    assert pingpong.runnable({**coop, "LOADER": 1}, k.schedule) and not pingpong.runnable({**coop, "LOADER": 2},
-                                                                                          k.schedule)
+    assert pingpong.runnable(coop4, k.schedule) and not pingpong.runnable({**coop, "LOADER": 2}, k.schedule)
     unrounded = dataclasses.replace(k.schedule, rounded=False)  # the product not in the operands' dtype
     assert [c["TEMPLATE"] for c in pingpong.candidates(unrounded)] == ["pingpong"]
     assert not pingpong.runnable(coop, unrounded)
@@ -163,7 +165,7 @@ def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, de
     compiled = eqfuse.compile(FNS[name], tuple(inputs), autotune=False)
     (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "matmul"]
     monkeypatch.setattr(flash, "device_supports", lambda: True)
-    (cfg,) = [c for c in pingpong.candidates(kernel.schedule) if c["TEMPLATE"] == template]
+    cfg = next(c for c in pingpong.candidates(kernel.schedule) if c["TEMPLATE"] == template)
     if loader is not None:
         cfg = {**cfg, "LOADER": loader}
     source, infos = generate_module(compiled.plan, name, "test", {kernel.name: cfg})
@@ -188,7 +190,7 @@ def test_the_cooperative_template_shares_a_tile_between_two_warpgroups(monkeypat
                                                 template="cooperative")
     assert "from eqfuse.codegen.matmul_hopper import matmul_cooperative" in source
     c = info.constexprs
-    assert (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["LOADER"]) == (64, 256, 3, 0)  # 64 rows a warpgroup
+    assert (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"], c["LOADER"]) == (64, 256, 3, 1)  # 64 rows a warpgroup
     assert c["PROGRAMS"] == 3 * 3 and "CHUNK" not in c  # 128 x 256 tiles; its epilogue always chunked
     assert info.launch == {"num_warps": 4, "maxnreg": 168} and info.grid == (9, 1)
     assert info.template == "the Hopper cooperative matmul template"

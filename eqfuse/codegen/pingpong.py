@@ -147,16 +147,14 @@ def _in_gluon(lines: list, acc: str, buffers: set) -> tuple | None:
     return (out, args) if not unknown else None
 
 
-def _config(template: str, programs: int, special: bool) -> dict:
-    """A template's configuration, on ``programs`` persistent programs. The cooperative
-    one fills its ring from a loader warp beside two epilogue warps (``LOADER`` 1), or,
-    for an epilogue with a special function, from an MMA warpgroup beside four epilogue
-    warps: at GPT-2's MLP shape with erf's gelu, 86 us against 117 with two (H100)."""
+def _config(template: str, programs: int, loader: int = 1) -> dict:
+    """A template's configuration, on ``programs`` persistent programs; for the cooperative
+    one, how its ring is filled (``LOADER``)."""
     bm, bn, bk, stages = TEMPLATES[template][1]
     cfg = {"TEMPLATE": template, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
            "num_stages": stages, "PROGRAMS": programs}
     if template == "cooperative":
-        cfg["LOADER"] = int(not special)
+        cfg["LOADER"] = loader
     return cfg
 
 
@@ -166,28 +164,32 @@ def _programs(template: str, sched) -> int:
 
 
 def candidates(sched) -> list[dict]:
-    """The templates' configurations for a schedule they may run (``eligible``) on this GPU."""
+    """The templates' configurations for a schedule they may run (``eligible``) on this GPU.
+    The cooperative one only where the product is in its operands' dtype (its epilogue
+    reads a staging copy), its ring filled by a loader warp beside two epilogue warps; for
+    an epilogue with a special function, also by an MMA warpgroup beside four epilogue
+    warps, which keep up where the K loop is short (H100, gelu's erf form: 87.6 us against
+    117.1 at GPT-2's MLP shape, K = 768; 447.9 against 441.0 at K = 4096)."""
     from .flash import device_supports
 
     if not eligible(sched) or not offered() or not device_supports():
         return []
-    # the cooperative epilogue always reads the product from a staging copy, in the operands' dtype
-    return [_config(t, _programs(t, sched), sched.special) for t in TEMPLATES
-            if t == "pingpong" or sched.rounded]
+    out = [_config("pingpong", _programs("pingpong", sched))]
+    if sched.rounded:
+        programs = _programs("cooperative", sched)
+        out += [_config("cooperative", programs, loader) for loader in ((1, 0) if sched.special else (1,))]
+    return out
 
 
 def runnable(cfg: dict, sched) -> bool:
     """Whether ``cfg`` (from a cache, or a user) is a template's, for a schedule it may
-    run and is offered for."""
+    run and is offered for (either way of filling the cooperative one's ring runs any
+    epilogue)."""
     template, programs = cfg.get("TEMPLATE"), cfg.get("PROGRAMS")
     if sched is None or not eligible(sched) or not offered() or template not in TEMPLATES or \
-            not isinstance(programs, int) or programs < 1:
+            not isinstance(programs, int) or programs < 1 or (template == "cooperative" and not sched.rounded):
         return False
-    if template == "pingpong":
-        return cfg == _config(template, programs, sched.special)
-    # either way of filling the ring runs any epilogue (which is first is a choice for speed)
-    return sched.rounded and cfg.get("LOADER") in (0, 1) and \
-        {**cfg, "LOADER": 0} == {**_config(template, programs, sched.special), "LOADER": 0}
+    return cfg == _config(template, programs, cfg.get("LOADER", 1)) and cfg.get("LOADER", 1) in (0, 1)
 
 
 def pointer_config(cfg: dict) -> dict:
