@@ -1,34 +1,48 @@
-"""The Hopper ping-pong matmul template (Gluon), with a kernel's own epilogue plugged in.
+"""The Hopper matmul templates (Gluon), with a kernel's own epilogue plugged in.
 
-A persistent program per SM runs three partitions: a loader warp streams A and B tiles
-through a ring of shared-memory slots with TMA; two consumer warpgroups take alternate
-output tiles. A consumer runs its tile's K loop on the tensor cores (``wgmma``), hands the
-tensor cores to the other through a pair of mbarriers (its turn), then runs the epilogue
-while the other's K loop runs: the epilogue is hidden behind the products, which plain
-Triton does not do (its whole program runs the epilogue with the tensor cores idle). The
-turns also keep a consumer from waiting on a ring slot two fills ahead, where an
-mbarrier's phase parity cannot tell the fill it wants from the one before.
+Both are persistent, a program per SM, their operands streamed through a ring of
+shared-memory slots by TMA, their products on ``wgmma``, and both hide the epilogue behind
+the next tile's K loop, which plain Triton does not do (its whole program runs the
+epilogue with the tensor cores idle). Each MMA warpgroup holds 128 float32 accumulator
+registers a thread.
+
+* ``matmul_pingpong``: a loader warp fills the ring; two consumer warpgroups take
+  alternate 128 x 128 output tiles. A consumer runs its tile's K loop, hands the tensor
+  cores to the other through a pair of mbarriers (its turn), then runs the epilogue while
+  the other's K loop runs. The turns also keep a consumer from waiting on a ring slot two
+  fills ahead, where an mbarrier's phase parity cannot tell the fill it wants from the one
+  before.
+* ``matmul_cooperative``: two MMA warpgroups share each 128 x 256 tile, 64 rows each, one B
+  tile read by both, so the K loop moves fewer bytes a product than two ping-pong tiles
+  (on an H100 at 8192 x 4096 x 4096 it ran at cuBLAS's time with a bias epilogue; the
+  ping-pong one's K loop is 1.05-1.07x). The product goes, rounded to the operands' dtype,
+  to a staging tile in shared memory, whose epilogue warps of their own compute and store
+  while the MMA warpgroups run the next tile. The ring is filled by a loader warp beside
+  two epilogue warps (``LOADER`` 1), or by the first MMA warpgroup beside four epilogue
+  warps (``LOADER`` 0), which keep up with a costly epilogue where the K loop is short.
 
 The epilogue is a ``@gluon.jit`` function passed as a constexpr (codegen/pingpong.py
 writes it from the kernel's plan): ``EPILOGUE(x, mindex, nindex, M, N, *epi_args)`` returns
 the output for a float32 tile ``x`` of the product; ``mindex`` and ``nindex`` are its rows
-and columns in its layout, so that loads made from them come back in it. Each consumer has
-its own copy of the epilogue's code, so there are two forms:
+and columns in its layout, so that loads made from them come back in it. The ping-pong
+consumers each have their own copy of the epilogue's code, so it has two forms:
 
 * in halves (CHUNK = 0): ``x`` is half a consumer's accumulator, ``[BLOCK_M, BLOCK_N / 2]``
   in the MMA layout; the output is staged in shared memory and stored by TMA, which drops
   what falls past M and N (TMA reads zeros past them and past K);
 * in chunks of CHUNK rows (``_chunked_epilogue``), for an epilogue with a special
   function: the product rounded to the operands' dtype goes through shared memory and the
-  epilogue runs in a loop, its code one chunk's. Unrolled over a tile, two copies of erf's
-  overflow the instruction cache (the erf form ran 146 us at GPT-2's MLP shape, 86 chunked).
+  epilogue runs in a loop, its code one chunk's (``_store_chunks``, as the cooperative
+  template's epilogue warps run it). Unrolled over a tile, two copies of erf's overflow the
+  instruction cache (the erf form ran 146 us at GPT-2's MLP shape, 86 chunked).
 
-Measured (NVIDIA H100, the autotuner's timings of each kernel alone): GPT-2's MLP shape,
-8192 x 3072 x 768 fp16 with a bias and gelu's tanh form, 78.0 us against the best Triton
-kernel's 86.2 (cuBLAS's product alone 62.9); with gelu's erf form 86.8 against 97.4; at
-8192 x 4096 x 4096, 436.5 against 460.6 (the product alone through this K loop is about
-1.06x cuBLAS's). The autotuner times the template beside the Triton kernels and keeps the
-faster.
+Measured (NVIDIA H100): GPT-2's MLP shape, 8192 x 3072 x 768 fp16 with a bias and gelu's
+tanh form, 78.0 us as the ping-pong template against the best Triton kernel's 86.2 (cuBLAS's
+product alone 62.9); x@W + r at 8192 x 4096 x 4096, 424.5-425.7 as the cooperative one
+against 440.6-463.0 for the best Triton kernel and 407.8-410.7 for cuBLAS's product alone
+(benchmarks/matmul_template_ab.py). An epilogue's float32 instructions still cost nearly
+their issue time, overlapped or not (benchmarks/matmul_epilogue_cost.py). The autotuner
+times the templates beside the Triton kernels and keeps the fastest.
 """
 
 from __future__ import annotations

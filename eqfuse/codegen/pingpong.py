@@ -1,28 +1,33 @@
-"""When a matmul kernel may run as the Hopper ping-pong template (codegen/matmul_hopper.py),
-and its source: the template called with the kernel's own epilogue.
+"""When a matmul kernel may run as a Hopper matmul template (codegen/matmul_hopper.py:
+ping-pong or cooperative), and its source: the template called with the kernel's own
+epilogue.
 
-The template computes one product of two half-precision operands read as stored (A with K
+A template computes one product of two half-precision operands read as stored (A with K
 contiguous; B with N or K contiguous; strides and offsets TMA takes) into one output of a
 16-bit dtype (TMA reads the operands; the output is stored by TMA or, from a chunked
-epilogue, by pointer); whatever the plan computes from the accumulator (a
-bias, an activation, a residual, a cast) is its epilogue. That epilogue is the one the
-Triton kernel would run: ``KernelWriter`` writes it, and its lines are spelled in Gluon,
-whose operators have the same names (``gl.load``, ``gl.erf``...) and semantics. An epilogue
-that uses anything else (a constant tile, a reduction, an operator Gluon lacks), a batch,
-a second product or a second output keeps the Triton kernel.
+epilogue, by pointer); whatever the plan computes from the accumulator (a bias, an
+activation, a residual, a cast) is its epilogue. That epilogue is the one the Triton kernel
+would run: ``KernelWriter`` writes it, and its lines are spelled in Gluon, whose operators
+have the same names (``gl.load``, ``gl.erf``...) and semantics. An epilogue that uses
+anything else (a constant tile, a reduction, an operator Gluon lacks), a batch, a second
+product or a second output keeps the Triton kernel. The cooperative template's epilogue
+always reads the product rounded to the operands' dtype, so it is offered only where the
+graph's product is in that dtype (``Schedule.rounded``; F.linear's bias is added to the
+unrounded product).
 
-The template is one autotuning candidate among the Triton kernel's, on Hopper (compute
-capability 9.0, compiled; ``EQFUSE_PINGPONG=0`` turns it off): it hides the epilogue behind
-the next tile's K loop (benchmarks/matmul.py, H100: gelu(x@W+b) at 8192 x 4096 x 4096 and
-SwiGLU's gate product at Llama-7B sizes took it; the autotuner keeps the Triton kernel
-where it loses: GPT-2's MLP output product, K = 3072 with a residual added). An epilogue
-that computes a special function (erf, exp, tanh...) runs in chunks of rows (``CHUNK``),
-so that each consumer's copy of its
-code is one chunk's: unrolled over the tile, two copies of erf's overflowed the
-instruction cache, and in GPT-2's block the MLP product with tanh-form gelu ran 87-88 us
-against the Triton kernel's 82, though 75 against 84 alone. Chunked, on an H100
-(benchmarks/matmul_pingpong_block.py): 73.9 in the block against 81.5, the block's
-forward 306.0 against 316.4 with neither product as the template.
+The templates are autotuning candidates among the Triton kernel's, on Hopper (compute
+capability 9.0, compiled; ``EQFUSE_PINGPONG=0`` turns both off): they hide the epilogue
+behind the next tile's K loop. On an H100 the autotuner took the ping-pong one for
+gelu(x@W+b) at 8192 x 4096 x 4096 in some runs and the cooperative one in others (within
+1%), the cooperative one for GPT-2's q/k/v projection and MLP product (the block forward
+299.6 us against 306.9 without it; benchmarks/models_template_ab.py), and kept the Triton
+kernel for GPT-2's MLP output product (K = 3072, N = 768: three 256-column tiles across N).
+A ping-pong epilogue that computes a special function (erf, exp, tanh...) runs in chunks
+of rows (``CHUNK``), so that each consumer's copy of its code is one chunk's: unrolled over
+the tile, two copies of erf's overflowed the instruction cache, and in GPT-2's block the
+MLP product with tanh-form gelu ran 87-88 us against the Triton kernel's 82, though 75
+against 84 alone. Chunked, on an H100 (benchmarks/matmul_pingpong_block.py): 73.9 in the
+block against 81.5.
 """
 
 from __future__ import annotations
