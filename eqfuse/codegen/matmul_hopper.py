@@ -296,16 +296,21 @@ EPILOGUE_REGS = gl.constexpr(104)
 
 
 @gluon.jit
-def _cooperative_mma(a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, WHICH: gl.constexpr,
-                     K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                     TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                     PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr, LOADER: gl.constexpr):
+def _cooperative_mma(a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, c_ptr,
+                     EPILOGUE: gl.constexpr, epi_args, WHICH: gl.constexpr, M: gl.constexpr, N: gl.constexpr,
+                     K: gl.constexpr, SC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr,
+                     STAGES: gl.constexpr, PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr, LOADER: gl.constexpr,
+                     TAIL: gl.constexpr):
     """MMA warpgroup WHICH: rows WHICH of each of the program's tiles, K step by K step on
     the tensor cores (its own A box, the B tile both warpgroups read), each slot given back
     once its product is done; then the product, rounded to the operands' dtype, into its
     rows of the staging tile once the epilogue has read the last one. Without a loader
-    warp (LOADER 0), warpgroup 0 issues the ring's fills itself, STAGES - 1 ahead."""
+    warp (LOADER 0), warpgroup 0 issues the ring's fills itself, STAGES - 1 ahead. The
+    program's last tile has no K loop to hide its epilogue behind: where TAIL, each MMA
+    warpgroup runs it on its own rows (four warps for two epilogue warps' one)."""
     KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    CHUNK: gl.constexpr = 16
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 16])
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=layout)
@@ -317,31 +322,58 @@ def _cooperative_mma(a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_
         for p in range(gl.minimum(STAGES - 1, fills)):
             _fill_at(p, a_desc, b_desc, a_smem, b_smem, ready, empty, KT, BLOCK_M, BLOCK_N, BLOCK_K, TILES_M,
                      TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)
-    g = 0  # ring fills consumed, over all tiles
-    for t in range(tiles):
-        acc = zero
-        for kk in range(KT):
-            slot = g % STAGES
-            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            if B_KMAJOR:
-                b = b_smem.index(slot).permute((1, 0))
-            else:
-                b = b_smem.index(slot)
-            acc = warpgroup_mma(a_smem.index(2 * slot + WHICH), b, acc, use_acc=kk > 0, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous product is done: its slot goes back
-            if kk > 0:
-                mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
-            if PRODUCER:
-                if g + STAGES - 1 < fills:  # into the slot just given back, once the other has too
-                    _fill_at(g + STAGES - 1, a_desc, b_desc, a_smem, b_smem, ready, empty, KT, BLOCK_M, BLOCK_N,
-                             BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)
-            g += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+    for t in range(tiles - TAIL):
+        acc = _cooperative_products(a_desc, b_desc, a_smem, b_smem, ready, empty, zero, t, fills, WHICH, KT,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS,
+                                    B_KMAJOR, PRODUCER)
         mbarrier.wait(acc_free.index(WHICH), (t & 1) ^ 1)
         rows.store(acc.to(rows.dtype))
         gl.thread_barrier()  # every thread's rows are in before the epilogue is told
         mbarrier.arrive(acc_ready.index(WHICH), count=1)
+    if TAIL:  # outside the loop: the loop's code stays the K loop's and the hand-over's
+        t = tiles - 1
+        acc = _cooperative_products(a_desc, b_desc, a_smem, b_smem, ready, empty, zero, t, fills, WHICH, KT,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS,
+                                    B_KMAJOR, PRODUCER)
+        mbarrier.wait(acc_free.index(WHICH), (t & 1) ^ 1)
+        rows.store(acc.to(rows.dtype))
+        gl.thread_barrier()
+        pid_m, pid_n = _tile(gl.program_id(0) + t * PROGRAMS, TILES_M, TILES_N, GROUP_M)
+        chunks = rows._reinterpret(rows.dtype, [BLOCK_M // CHUNK, CHUNK, BLOCK_N], rows.layout)
+        _store_chunks(chunks, 0, (2 * pid_m + WHICH) * BLOCK_M, pid_n, c_ptr, EPILOGUE, epi_args, BLOCK_M // CHUNK,
+                      M, N, SC, BLOCK_N, CHUNK)
+
+
+@gluon.jit
+def _cooperative_products(a_desc, b_desc, a_smem, b_smem, ready, empty, zero, t, fills, WHICH: gl.constexpr,
+                          KT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr,
+                          STAGES: gl.constexpr, PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
+                          PRODUCER: gl.constexpr):
+    """The K loop of MMA warpgroup WHICH's rows of the program's t-th tile: returns the
+    accumulator, every product complete and every slot given back (the producer, fills
+    STAGES - 1 ahead of the one it reads)."""
+    g = t * KT  # ring fills before this tile's first
+    acc = zero
+    for kk in range(KT):
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+        if B_KMAJOR:
+            b = b_smem.index(slot).permute((1, 0))
+        else:
+            b = b_smem.index(slot)
+        acc = warpgroup_mma(a_smem.index(2 * slot + WHICH), b, acc, use_acc=kk > 0, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous product is done: its slot goes back
+        if kk > 0:
+            mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+        if PRODUCER:
+            if g + STAGES - 1 < fills:  # into the slot just given back, once the other has too
+                _fill_at(g + STAGES - 1, a_desc, b_desc, a_smem, b_smem, ready, empty, KT, BLOCK_M, BLOCK_N,
+                         BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)
+        g += 1
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
+    return acc
 
 
 @gluon.jit
@@ -358,22 +390,22 @@ def _fill_at(p, a_desc, b_desc, a_smem, b_smem, ready, empty, KT: gl.constexpr, 
 def _cooperative_epilogue(staging, acc_ready, acc_free, c_ptr, EPILOGUE: gl.constexpr, epi_args, M: gl.constexpr,
                           N: gl.constexpr, SC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.constexpr,
-                          PROGRAMS: gl.constexpr):
+                          PROGRAMS: gl.constexpr, TAIL: gl.constexpr):
     """The epilogue's warps: each tile's two halves from the staging tile, in chunks of
-    rows (``_store_chunks``), each half given back to its MMA warpgroup once read."""
+    rows (``_store_chunks``), each half given back to its MMA warpgroup once read; where
+    TAIL, all but the program's last tile (the MMA warpgroups run that one)."""
     CHUNK: gl.constexpr = 4 * gl.num_warps()  # 32 elements a thread at 256 columns
     NCH: gl.constexpr = BLOCK_M // CHUNK
     chunks = staging._reinterpret(staging.dtype, [2 * NCH, CHUNK, BLOCK_N], staging.layout)
-    t = 0
-    for tile in range(gl.program_id(0), TILES_M * TILES_N, PROGRAMS):
-        pid_m, pid_n = _tile(tile, TILES_M, TILES_N, GROUP_M)
+    tiles = (TILES_M * TILES_N - gl.program_id(0) + PROGRAMS - 1) // PROGRAMS
+    for t in range(tiles - TAIL):
+        pid_m, pid_n = _tile(gl.program_id(0) + t * PROGRAMS, TILES_M, TILES_N, GROUP_M)
         for half in gl.static_range(2):
             mbarrier.wait(acc_ready.index(half), t & 1)
             _store_chunks(chunks, half * NCH, (2 * pid_m + half) * BLOCK_M, pid_n, c_ptr, EPILOGUE, epi_args, NCH,
                           M, N, SC, BLOCK_N, CHUNK)
             gl.thread_barrier()  # every warp has read the half
             mbarrier.arrive(acc_free.index(half), count=1)
-        t += 1
 
 
 @gluon.jit
@@ -381,7 +413,8 @@ def matmul_cooperative(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
                        M: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
                        SA: gl.constexpr, SB: gl.constexpr, SC: gl.constexpr, B_KMAJOR: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, PROGRAMS: gl.constexpr, LOADER: gl.constexpr):
+                       STAGES: gl.constexpr, PROGRAMS: gl.constexpr, LOADER: gl.constexpr,
+                       TAIL: gl.constexpr = 1):
     """``C = EPILOGUE(A @ B)`` as matmul_pingpong's, in tiles of 2 BLOCK_M x BLOCK_N that two
     MMA warpgroups share (BLOCK_M rows each; one B tile for both, so fewer bytes from L2 a
     product than two ping-pong tiles), the epilogue run by warps of its own from a staging
@@ -416,23 +449,27 @@ def matmul_cooperative(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
         mbarrier.init(acc_free.index(i), count=1)
     if LOADER:
         gl.warp_specialize([
-            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, 0, K,
-                                BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 1)),
-            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, 1, K,
-                                BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 1)),
+            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, c_ptr,
+                                EPILOGUE, epi_args, 0, M, N, K, SC, BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N,
+                                GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 1, TAIL)),
+            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, c_ptr,
+                                EPILOGUE, epi_args, 1, M, N, K, SC, BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N,
+                                GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 1, TAIL)),
             (_cooperative_epilogue, (staging, acc_ready, acc_free, c_ptr, EPILOGUE, epi_args, M, N, SC, BLOCK_M,
-                                     BLOCK_N, TILES_M, TILES_N, GROUP_M, PROGRAMS)),
+                                     BLOCK_N, TILES_M, TILES_N, GROUP_M, PROGRAMS, TAIL)),
             (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, 2, K, BLOCK_M, BLOCK_N, BLOCK_K, TILES_M,
                        TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR)),
         ], [4, 2, 1], [MMA_REGS, EPILOGUE_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, 0, K,
-                                BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 0)),
-            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, 1, K,
-                                BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 0)),
+            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, c_ptr,
+                                EPILOGUE, epi_args, 0, M, N, K, SC, BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N,
+                                GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 0, TAIL)),
+            (_cooperative_mma, (a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, c_ptr,
+                                EPILOGUE, epi_args, 1, M, N, K, SC, BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N,
+                                GROUP_M, STAGES, PROGRAMS, B_KMAJOR, 0, TAIL)),
             (_cooperative_epilogue, (staging, acc_ready, acc_free, c_ptr, EPILOGUE, epi_args, M, N, SC, BLOCK_M,
-                                     BLOCK_N, TILES_M, TILES_N, GROUP_M, PROGRAMS)),
+                                     BLOCK_N, TILES_M, TILES_N, GROUP_M, PROGRAMS, TAIL)),
         ], [4, 4], [MMA_REGS, EPILOGUE_REGS])
 
 
