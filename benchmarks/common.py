@@ -55,6 +55,11 @@ ROUNDS = 5
 bench = gpu_us  # median microseconds, L2 flushed
 
 
+def relative(us: dict, base: str) -> dict:
+    """Each contender's time over ``base``'s, to three places."""
+    return {name: round(t / us[base], 3) for name, t in us.items()}
+
+
 def bench_interleaved(fns: dict) -> dict:
     """name -> median over ROUNDS rounds, each round timing every contender once."""
     times: dict = {name: [] for name in fns}

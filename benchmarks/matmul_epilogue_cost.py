@@ -38,8 +38,9 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-from common import bench_interleaved, save_results
-from matmul_pingpong_probe import clocks
+from common import bench_interleaved, relative, save_results
+from matmul_pingpong_probe import _gelu, clocks
+from matmul_pingpong_probe import _gelu_tanh as _gelu_tanh_approx
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -50,12 +51,6 @@ from eqfuse.codegen.tma import sm_count
 @gluon.jit
 def _bias(acc, mindex, nindex, M: gl.constexpr, N: gl.constexpr, bias):
     return acc + gl.load(bias + nindex).to(gl.float32)
-
-
-@gluon.jit
-def _gelu(acc, mindex, nindex, M: gl.constexpr, N: gl.constexpr, bias):
-    x = acc + gl.load(bias + nindex).to(gl.float32)
-    return x * 0.5 * (1.0 + gl.erf(x * 0.7071067811865476))
 
 
 @gluon.jit
@@ -110,14 +105,6 @@ def _gelu_erfc(acc, mindex, nindex, M: gl.constexpr, N: gl.constexpr, bias):
     return x * 0.5 * gl.where(x >= 0, 2.0 - erfc, erfc)
 
 
-@gluon.jit
-def _gelu_tanh_approx(acc, mindex, nindex, M: gl.constexpr, N: gl.constexpr, bias):
-    x = acc + gl.load(bias + nindex).to(gl.float32)
-    u = x * 0.7978845608028654 * (1.0 + 0.044715 * x * x)
-    t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=gl.float32, is_pure=True, pack=1)
-    return x * 0.5 * (1.0 + t)
-
-
 EPILOGUES = [("bias only", _bias), ("gelu erf", _gelu), ("gelu erf2", _gelu_erf2), ("gelu erfc-NR", _gelu_erfc),
              ("gelu tanh.approx", _gelu_tanh_approx)]
 
@@ -168,7 +155,7 @@ def main(argv=None) -> int:
                 fns[f"{name} L{loader}"] = f
         us = bench_interleaved(fns)
         row["us"] = {key: round(v, 1) for key, v in us.items()}
-        row["over_cublas"] = {key: round(v / us["cublas"], 3) for key, v in us.items()}
+        row["over_cublas"] = relative(us, "cublas")
         if args.clocks:
             row["clocks"] = {key: clocks(f) for key, f in fns.items()}
         print(row, flush=True)

@@ -83,7 +83,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
-from common import bench_interleaved, inductor_compiled, save_results
+from common import bench_interleaved, inductor_compiled, relative, save_results
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -236,7 +236,7 @@ def main(argv=None):
             us = bench_interleaved(fns)
             row["us"] = {k: round(v, 1) for k, v in us.items()}
             row["tflops"] = {k: round(flops / v / 1e6, 1) for k, v in us.items()}
-            row["over_cublas_matmul_alone"] = {k: round(v / us["cublas_matmul_alone"], 3) for k, v in us.items()}
+            row["over_cublas_matmul_alone"] = relative(us, "cublas_matmul_alone")
             if args.clocks:
                 row["clocks"] = {k: clocks(f) for k, f in fns.items()}
         except Exception:  # noqa: BLE001

@@ -24,7 +24,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from common import bench_interleaved, inductor_compiled, save_results
+from common import bench_interleaved, inductor_compiled, relative, save_results
 
 import eqfuse
 from eqfuse.codegen import kernel as kgen
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             fns[f"eqfuse {label}"] = lambda c=compiled: c(*inputs)
         us = bench_interleaved(fns)
         row["us"] = {k: round(v, 1) for k, v in us.items()}
-        row["over_cublas"] = {k: round(v / us["cublas mm alone"], 3) for k, v in us.items()}
+        row["over_cublas"] = relative(us, "cublas mm alone")
         print(row, flush=True)
         rows.append(row)
         save_results(args.out, rows)

@@ -84,6 +84,24 @@ def _tile(tile, TILES_M: gl.constexpr, TILES_N: gl.constexpr, GROUP_M: gl.conste
 
 
 @gluon.jit
+def _operand_descriptors(a_ptr, b_ptr, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, SA: gl.constexpr,
+                         SB: gl.constexpr, B_KMAJOR: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         BLOCK_K: gl.constexpr):
+    """TMA descriptors of A ``[M, K]`` in boxes of BLOCK_M x BLOCK_K and of B ``[K, N]`` (or
+    ``[N, K]`` where B_KMAJOR) in boxes of BLOCK_K x BLOCK_N, swizzled as wgmma reads them."""
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[SA, 1], block_shape=[BLOCK_M, BLOCK_K],
+                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    if B_KMAJOR:
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[SB, 1], block_shape=[BLOCK_N, BLOCK_K],
+                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype))
+    else:
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[SB, 1], block_shape=[BLOCK_K, BLOCK_N],
+                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    return a_desc, b_desc
+
+
+@gluon.jit
 def _fill(g, pid_m, pid_n, kk, a_desc, b_desc, a_smem, b_smem, ready, empty, PARTS: gl.constexpr,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
           B_KMAJOR: gl.constexpr):
@@ -251,14 +269,7 @@ def matmul_pingpong(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
     kernel launched on PROGRAMS programs with ``num_warps=4`` and ``maxnreg=MAXNREG``."""
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     out: gl.constexpr = c_ptr.dtype.element_ty
-    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[SA, 1], block_shape=[BLOCK_M, BLOCK_K],
-                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
-    if B_KMAJOR:
-        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[SB, 1], block_shape=[BLOCK_N, BLOCK_K],
-                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype))
-    else:
-        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[SB, 1], block_shape=[BLOCK_K, BLOCK_N],
-                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    a_desc, b_desc = _operand_descriptors(a_ptr, b_ptr, M, N, K, SA, SB, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
     TILES_M: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
     TILES_N: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     a_smem = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -423,14 +434,7 @@ def matmul_cooperative(a_ptr, b_ptr, c_ptr, EPILOGUE: gl.constexpr, epi_args,
     epilogue warps (LOADER 0: more hands for a costly epilogue). Launched with
     ``num_warps=4`` and ``maxnreg=MAXNREG``."""
     dtype: gl.constexpr = a_ptr.dtype.element_ty
-    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[SA, 1], block_shape=[BLOCK_M, BLOCK_K],
-                                        layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
-    if B_KMAJOR:
-        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[SB, 1], block_shape=[BLOCK_N, BLOCK_K],
-                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype))
-    else:
-        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[SB, 1], block_shape=[BLOCK_K, BLOCK_N],
-                                            layout=gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    a_desc, b_desc = _operand_descriptors(a_ptr, b_ptr, M, N, K, SA, SB, B_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
     TILES_M: gl.constexpr = (M + 2 * BLOCK_M - 1) // (2 * BLOCK_M)
     TILES_N: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     a_smem = gl.allocate_shared_memory(dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
