@@ -151,6 +151,23 @@ def test_an_untuned_build_takes_the_template_first_for_a_special_function(monkey
     assert not any(c.get("TEMPLATE") for c in fallback_candidates(k.schedule))
 
 
+@pytest.mark.parametrize("m,n,first", [(8192, 4096, "cooperative"), (8192, 768, None), (4096, 2304, None)])
+def test_an_untuned_build_takes_the_cooperative_template_first_for_a_light_epilogue_over_many_tiles(
+        monkeypatch, m, n, first):
+    """At least WAVES 128 x 256 tiles an SM (132 SMs: 8192 x 4096 has 7.8; GPT-2's MLP output
+    1.5, BERT's q/k/v projection 2.2): the Triton kernels first otherwise."""
+    from eqfuse.codegen import tma
+    from eqfuse.codegen.kernel import fallback_candidates
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    monkeypatch.setattr(tma, "sm_count", lambda: 132)
+    _, k, _ = matmul_kernel("relu_scaled")
+    big = dataclasses.replace(k.schedule, m=m, n=n)
+    assert fallback_candidates(big)[0].get("TEMPLATE") == first
+    if first:
+        assert fallback_candidates(big)[0]["LOADER"] == 1  # a loader warp beside two epilogue warps
+        assert fallback_candidates(dataclasses.replace(big, rounded=False))[0].get("TEMPLATE") is None
+
+
 def test_no_candidate_without_a_hopper_gpu(monkeypatch):
     _, k, _ = matmul_kernel("relu_scaled")
     monkeypatch.setattr(flash, "device_supports", lambda: False)

@@ -1160,13 +1160,7 @@ def fallback_candidates(sched: Schedule) -> list[dict]:
     """Every configuration, the model's first choice first: what an untimed build walks
     until one compiles on the device."""
     if sched.kind == "matmul":
-        # The ping-pong template first where the epilogue computes a special function: it
-        # ran faster than the best Triton kernel at every such product measured (H100:
-        # gelu(x@W+b) at GPT-2's, BERT's and the issue's shapes, SwiGLU's gate product,
-        # inside GPT-2's and BERT's blocks too; codegen/pingpong.py); elsewhere it won some
-        # and lost some, and only the autotuner offers it.
-        first = [c for c in pingpong.candidates(sched) if c["TEMPLATE"] == "pingpong"] if sched.special else []
-        return first + tiles.ranked(sched)
+        return pingpong.first_choice(sched) + tiles.ranked(sched)  # a Hopper template where it won throughout
     return tuning_candidates(sched)
 
 

@@ -50,6 +50,9 @@ TEMPLATES = {
     "cooperative": ("matmul_cooperative", (128, 256, 64, 3)),
 }
 GROUP_M = 8
+# An untimed build takes the cooperative template first for a light epilogue over this
+# many tiles an SM or more (first_choice)
+WAVES = 4
 # Rows of a chunk where the epilogue computes a special function: its code is one chunk's
 # (matmul_hopper._chunked_epilogue), not the whole tile's twice over
 CHUNK = 16
@@ -184,6 +187,21 @@ def candidates(sched) -> list[dict]:
         programs = _programs("cooperative", sched)
         out += [_config("cooperative", programs, loader) for loader in ((1, 0) if sched.special else (1,))]
     return out
+
+
+def first_choice(sched) -> list[dict]:
+    """The template an untimed build tries before the Triton kernels, if any: the ping-pong
+    one where the epilogue computes a special function (it ran faster than the best Triton
+    kernel at every such product measured: gelu(x@W+b) at GPT-2's, BERT's and the issue's
+    shapes, SwiGLU's gate product, inside GPT-2's and BERT's blocks too); the cooperative
+    one for a light epilogue over at least WAVES tiles an SM (H100: x@W+r at 8192 x 4096 x
+    4096, 7.8 tiles an SM, 424.5 us against 440.6-463.0 for the best Triton kernel; at
+    GPT-2's MLP output, 1.5 an SM, the Triton kernel's 76.2 against 82-85)."""
+    offered = candidates(sched)
+    if sched.special:
+        return [c for c in offered if c["TEMPLATE"] == "pingpong"]
+    return [c for c in offered if c["TEMPLATE"] == "cooperative" and c["LOADER"] == 1 and
+            -(-sched.m // c["BLOCK_M"]) * -(-sched.n // c["BLOCK_N"]) >= WAVES * tma.sm_count()]
 
 
 def runnable(cfg: dict, sched) -> bool:
