@@ -131,6 +131,9 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
     for cfg in (pp, coop):
         assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 64}, k.schedule)
     assert pingpong.runnable(coop4, k.schedule) and not pingpong.runnable({**coop, "LOADER": 2}, k.schedule)
+    from eqfuse.codegen.kernel import fits
+    stale = {"PINGPONG": 1, **{key: v for key, v in pp.items() if key != "TEMPLATE"}}  # an earlier cache's spelling
+    assert fits(k.schedule, pp) and not fits(k.schedule, stale)
     unrounded = dataclasses.replace(k.schedule, rounded=False)  # the product not in the operands' dtype
     assert [c["TEMPLATE"] for c in pingpong.candidates(unrounded)] == ["pingpong"]
     assert not pingpong.runnable(coop, unrounded)
