@@ -25,7 +25,7 @@ from models import MODELS
 from torch.profiler import ProfilerActivity, profile
 
 import eqfuse
-from eqfuse.codegen import pingpong
+from eqfuse.codegen import matmul_templates
 
 VARIANTS = {"both": {2304, 3072}, "mlp only": {3072}, "qkv only": {2304}, "none": set()}
 
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.pop("EQFUSE_PINGPONG", None)  # the template on (its default)
     os.environ["EQFUSE_PLAN_CACHE"] = "0"
-    offered = pingpong.candidates
+    offered = matmul_templates.candidates
     make, make_inputs = MODELS["gpt2"]
     torch.manual_seed(0)
     model = make().to("cuda", torch.float16).eval()
@@ -64,11 +64,11 @@ def main(argv=None) -> int:
         for label, ns in VARIANTS.items():
             # a cache directory each: the autotuner's stored choices would carry over
             os.environ["EQFUSE_CACHE_DIR"] = f"/tmp/eqfuse-pingpong-block-{label.replace(' ', '-')}"
-            pingpong.candidates = lambda sched, ns=ns: offered(sched) if sched.n in ns else []
+            matmul_templates.candidates = lambda sched, ns=ns: offered(sched) if sched.n in ns else []
             compiled = eqfuse.compile(lambda *xs: model(*xs), tuple(inputs))
             rows[label] = {"templates": [k.name for k in compiled.kernels if k.template]}
             fns[label] = lambda c=compiled: c(*inputs)
-        pingpong.candidates = offered
+        matmul_templates.candidates = offered
         us = bench_interleaved(fns)
         per_kernel = kernel_us(fns)
     for label in fns:

@@ -28,7 +28,7 @@ from common import bench_interleaved, inductor_compiled, relative, save_results
 
 import eqfuse
 from eqfuse.codegen import kernel as kgen
-from eqfuse.codegen import pingpong
+from eqfuse.codegen import matmul_templates
 
 VARIANTS = {"pingpong": ("pingpong", None), "coop L0": ("cooperative", 0), "coop L1": ("cooperative", 1),
             "triton": None}
@@ -45,7 +45,7 @@ def forced(variant, tuning_candidates):
         if variant is None:
             return triton_kernels
         template, loader = variant
-        cfg = next((c for c in pingpong.candidates(sched) if c["TEMPLATE"] == template), None)
+        cfg = next((c for c in matmul_templates.candidates(sched) if c["TEMPLATE"] == template), None)
         if cfg is None:
             return triton_kernels
         return [cfg if loader is None else {**cfg, "LOADER": loader}]

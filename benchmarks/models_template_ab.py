@@ -6,7 +6,7 @@ same interleaved rounds beside eager and torch.compile, with each kernel's devic
 
 ``--untuned``: built with ``autotune=False`` (the models benchmark's default), where the
 cooperative template goes first for a light epilogue over many tiles
-(``pingpong.first_choice``); templates compile in the background meanwhile, so the
+(``matmul_templates.first_choice``); templates compile in the background meanwhile, so the
 timing waits for them.
 
 Measured (NVIDIA H100, results/models-gpt2-bert-cooperative-ab_*): GPT-2 299.6 us with it
@@ -28,7 +28,7 @@ from matmul_pingpong_block import kernel_us
 from models import MODELS
 
 import eqfuse
-from eqfuse.codegen import pingpong
+from eqfuse.codegen import matmul_templates
 
 
 def main(argv=None) -> int:
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("models", nargs="*", default=["gpt2", "bert"])
     args = p.parse_args(argv)
     os.environ["EQFUSE_PLAN_CACHE"] = "0"
-    offered = pingpong.candidates
+    offered = matmul_templates.candidates
     rows = []
     for name in args.models:
         make, make_inputs = MODELS[name]
@@ -56,12 +56,12 @@ def main(argv=None) -> int:
             row = {"model": name}
             for label, cooperative in (("eqfuse", True), ("eqfuse, no cooperative template", False)):
                 os.environ["EQFUSE_CACHE_DIR"] = f"/tmp/eqfuse-models-template-ab-{name}-{cooperative}"
-                pingpong.candidates = offered if cooperative else (
+                matmul_templates.candidates = offered if cooperative else (
                     lambda s: [c for c in offered(s) if c["TEMPLATE"] != "cooperative"])
                 try:
                     compiled = eqfuse.compile(forward, tuple(inputs), autotune=not args.untuned)
                 finally:
-                    pingpong.candidates = offered
+                    matmul_templates.candidates = offered
                 row[label] = {"templates": {k.name: k.template for k in compiled.kernels if k.template},
                               "err": round((compiled(*inputs).float() - ref).abs().max().item(), 4)}
                 fns[label] = lambda c=compiled: c(*inputs)

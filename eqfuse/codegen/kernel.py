@@ -37,7 +37,7 @@ from ..errors import Unschedulable
 from ..rewrite.cost import device_model
 from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
-from . import access, pingpong, pointwise, tiles, tma
+from . import access, matmul_templates, pointwise, tiles, tma
 from .indexing import (
     Env,
     Idx,
@@ -1110,7 +1110,7 @@ def fits(sched: Schedule, cfg: dict) -> bool:
     """Whether a configuration is one this schedule can run with (a tuned config read back
     from a cache is checked, never trusted)."""
     if sched.kind == "matmul" and "TEMPLATE" in cfg:
-        return pingpong.runnable(cfg, sched)
+        return matmul_templates.runnable(cfg, sched)
     if sched.kind == "matmul":
         return tiles.runnable(cfg, sched)
     if sched.kind == "attention":
@@ -1130,7 +1130,7 @@ def tuning_candidates(sched: Schedule) -> list[dict]:
     if sched.kind == "matmul":
         ranked = tiles.ranked(sched)
         both = any("PROGRAMS" in c for c in ranked)
-        return ranked[:MATMUL_FINALISTS_TMA if both else MATMUL_FINALISTS] + pingpong.candidates(sched)
+        return ranked[:MATMUL_FINALISTS_TMA if both else MATMUL_FINALISTS] + matmul_templates.candidates(sched)
     if sched.kind == "attention":
         from . import attention
         return attention.candidates(sched)
@@ -1160,7 +1160,7 @@ def fallback_candidates(sched: Schedule) -> list[dict]:
     """Every configuration, the model's first choice first: what an untimed build walks
     until one compiles on the device."""
     if sched.kind == "matmul":
-        return pingpong.first_choice(sched) + tiles.ranked(sched)  # a Hopper template where it won throughout
+        return matmul_templates.first_choice(sched) + tiles.ranked(sched)  # a Hopper template where it won throughout
     return tuning_candidates(sched)
 
 
@@ -1173,7 +1173,7 @@ def unaligned_config(sched: Schedule, cfg: dict) -> dict:
         from . import attention
         return next(c for c in attention.candidates(sched) if "FLASH" not in c)
     if cfg.get("TEMPLATE"):
-        return pingpong.pointer_config(cfg)
+        return matmul_templates.pointer_config(cfg)
     return {k: v for k, v in cfg.items() if k != "PROGRAMS"}
 
 
@@ -1219,7 +1219,7 @@ def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
             return g
         cfg = unaligned_config(sched, cfg)  # the portable kernel (the default may be the template)
     if cfg.get("TEMPLATE"):
-        g = pingpong.generate(spec, sched, buffers, cfg, runtime)
+        g = matmul_templates.generate(spec, sched, buffers, cfg, runtime)
         if g is not None:
             return g
         cfg = unaligned_config(sched, cfg)

@@ -21,7 +21,7 @@ registers a thread.
   two epilogue warps (``LOADER`` 1), or by the first MMA warpgroup beside four epilogue
   warps (``LOADER`` 0), which keep up with a costly epilogue where the K loop is short.
 
-The epilogue is a ``@gluon.jit`` function passed as a constexpr (codegen/pingpong.py
+The epilogue is a ``@gluon.jit`` function passed as a constexpr (codegen/matmul_templates.py
 writes it from the kernel's plan): ``EPILOGUE(x, mindex, nindex, M, N, *epi_args)`` returns
 the output for a float32 tile ``x`` of the product; ``mindex`` and ``nindex`` are its rows
 and columns in its layout, so that loads made from them come back in it. The ping-pong

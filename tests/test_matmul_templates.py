@@ -1,4 +1,4 @@
-"""The Hopper matmul templates, ping-pong and cooperative (codegen/pingpong.py,
+"""The Hopper matmul templates, ping-pong and cooperative (codegen/matmul_templates.py,
 codegen/matmul_hopper.py): which matmul kernels they can run, the epilogue they are handed
 (the Triton kernel's, spelled in Gluon), what the module launches when one is chosen, that
 they build for sm_90 without a GPU, and, on a Hopper GPU, their values against eager at
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from conftest import DEVICE, assert_matches
 
 import eqfuse
-from eqfuse.codegen import flash, pingpong
+from eqfuse.codegen import flash
+from eqfuse.codegen import matmul_templates as templates
 from eqfuse.codegen.module import generate_module
 from eqfuse.runtime import cache
 from eqfuse.runtime.compile_worker import _stubbed, _template
@@ -69,7 +70,7 @@ def matmul_kernel(name, m=64, n=72, k=48, dtype=torch.float16):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_products_with_an_epilogue_have_the_template_form(name, dtype):
     compiled, k, _ = matmul_kernel(name, dtype=dtype)
-    f = pingpong.form(k.spec, k.schedule, compiled.plan.buffers)
+    f = templates.form(k.spec, k.schedule, compiled.plan.buffers)
     assert f is not None, name
     assert (f.a.buf, f.b.buf) == (compiled.plan.inputs[0].name, compiled.plan.inputs[1].name)
     assert (f.b.inner == "kindex_b") == (name in ("linear_residual", "silu_linear"))  # F.linear's weight: K-major
@@ -87,14 +88,14 @@ def test_float32_batched_and_unaligned_products_keep_the_triton_kernel():
     """The template takes half-precision operands, one matrix, and TMA's 16-byte strides."""
     x32 = [t.float() for t in make_inputs("gelu_bias", 64, 72, 48)]
     c = eqfuse.compile(gelu_bias, tuple(x32), autotune=False)
-    assert pingpong.form(c.kernels[0].spec, c.kernels[0].schedule, c.plan.buffers) is None
+    assert templates.form(c.kernels[0].spec, c.kernels[0].schedule, c.plan.buffers) is None
     c, k, _ = matmul_kernel("gelu_bias", k=17)  # rows of A of 34 bytes
-    assert not pingpong.eligible(k.schedule) and pingpong.form(k.spec, k.schedule, c.plan.buffers) is None
+    assert not templates.eligible(k.schedule) and templates.form(k.spec, k.schedule, c.plan.buffers) is None
     xb = torch.randn(3, 64, 48, dtype=torch.float16)
     wb = torch.randn(3, 48, 72, dtype=torch.float16)
     c = eqfuse.compile(lambda a, b: torch.relu(a @ b), (xb, wb), autotune=False)
     (k,) = c.kernels
-    assert k.schedule.batch and not pingpong.eligible(k.schedule)
+    assert k.schedule.batch and not templates.eligible(k.schedule)
 
 
 def test_a_kernel_with_two_outputs_keeps_the_triton_kernel():
@@ -104,13 +105,13 @@ def test_a_kernel_with_two_outputs_keeps_the_triton_kernel():
     inputs = make_inputs("gelu_bias", 64, 72, 48)
     c = eqfuse.compile(both, tuple(inputs), autotune=False)
     (k,) = [k for k in c.kernels if k.schedule.kind == "matmul"]
-    assert len(k.spec.roots) == 2 and pingpong.form(k.spec, k.schedule, c.plan.buffers) is None
+    assert len(k.spec.roots) == 2 and templates.form(k.spec, k.schedule, c.plan.buffers) is None
 
 
 def test_the_epilogue_refuses_operators_gluon_lacks_and_values_of_the_k_loop():
-    assert pingpong._in_gluon(["t1 = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)"], "acc1", set()) is None
-    assert pingpong._in_gluon(["t1 = (acc1 + v0)"], "acc1", set()) is None  # v0: not the epilogue's
-    lines, args = pingpong._in_gluon(["v2 = tl.load(in2 + nindex, mask=nmask, other=0).to(tl.float32)",
+    assert templates._in_gluon(["t1 = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)"], "acc1", set()) is None
+    assert templates._in_gluon(["t1 = (acc1 + v0)"], "acc1", set()) is None  # v0: not the epilogue's
+    lines, args = templates._in_gluon(["v2 = tl.load(in2 + nindex, mask=nmask, other=0).to(tl.float32)",
                                       "t3 = tl.sigmoid(acc1 + v2)", "return t3"], "acc1", {"in2", "in0"})
     assert args == ["in2"]
     assert lines[0] == "v2 = gl.load(in2 + nindex, mask=nmask, other=0).to(gl.float32)"
@@ -121,24 +122,24 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
     _, k, _ = matmul_kernel("gelu_bias")
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     monkeypatch.delenv("EQFUSE_PINGPONG", raising=False)
-    pp, coop, coop4 = pingpong.candidates(k.schedule)
+    pp, coop, coop4 = templates.candidates(k.schedule)
     assert pp["TEMPLATE"] == "pingpong" and pp["PROGRAMS"] == 1  # one 128 x 128 tile
     assert coop["TEMPLATE"] == "cooperative" and (coop["BLOCK_M"], coop["BLOCK_N"]) == (128, 256)
     # gelu's erf: also four epilogue warps, the ring filled by an MMA warpgroup
     assert (coop["LOADER"], coop4) == (1, {**coop, "LOADER": 0})
     _, light, _ = matmul_kernel("relu_scaled")
-    assert [c.get("LOADER") for c in pingpong.candidates(light.schedule)] == [None, 1]
+    assert [c.get("LOADER") for c in templates.candidates(light.schedule)] == [None, 1]
     for cfg in (pp, coop):
-        assert pingpong.runnable(cfg, k.schedule) and not pingpong.runnable({**cfg, "BLOCK_N": 64}, k.schedule)
-    assert pingpong.runnable(coop4, k.schedule) and not pingpong.runnable({**coop, "LOADER": 2}, k.schedule)
+        assert templates.runnable(cfg, k.schedule) and not templates.runnable({**cfg, "BLOCK_N": 64}, k.schedule)
+    assert templates.runnable(coop4, k.schedule) and not templates.runnable({**coop, "LOADER": 2}, k.schedule)
     from eqfuse.codegen.kernel import fits
     stale = {"PINGPONG": 1, **{key: v for key, v in pp.items() if key != "TEMPLATE"}}  # an earlier cache's spelling
     assert fits(k.schedule, pp) and not fits(k.schedule, stale)
     unrounded = dataclasses.replace(k.schedule, rounded=False)  # the product not in the operands' dtype
-    assert [c["TEMPLATE"] for c in pingpong.candidates(unrounded)] == ["pingpong"]
-    assert not pingpong.runnable(coop, unrounded)
+    assert [c["TEMPLATE"] for c in templates.candidates(unrounded)] == ["pingpong"]
+    assert not templates.runnable(coop, unrounded)
     monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # off: neither offered nor taken from a cache
-    assert pingpong.candidates(k.schedule) == [] and not pingpong.runnable(pp, k.schedule)
+    assert templates.candidates(k.schedule) == [] and not templates.runnable(pp, k.schedule)
 
 
 @pytest.mark.parametrize("name,first", [("gelu_bias", True), ("silu_linear", True), ("relu_scaled", False),
@@ -174,7 +175,7 @@ def test_an_untuned_build_takes_the_cooperative_template_first_for_a_light_epilo
 def test_no_candidate_without_a_hopper_gpu(monkeypatch):
     _, k, _ = matmul_kernel("relu_scaled")
     monkeypatch.setattr(flash, "device_supports", lambda: False)
-    assert pingpong.candidates(k.schedule) == []
+    assert templates.candidates(k.schedule) == []
 
 
 def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE,
@@ -185,7 +186,7 @@ def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, de
     compiled = eqfuse.compile(FNS[name], tuple(inputs), autotune=False)
     (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "matmul"]
     monkeypatch.setattr(flash, "device_supports", lambda: True)
-    cfg = next(c for c in pingpong.candidates(kernel.schedule) if c["TEMPLATE"] == template)
+    cfg = next(c for c in templates.candidates(kernel.schedule) if c["TEMPLATE"] == template)
     if loader is not None:
         cfg = {**cfg, "LOADER": loader}
     source, infos = generate_module(compiled.plan, name, "test", {kernel.name: cfg})
