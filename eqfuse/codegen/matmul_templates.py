@@ -166,9 +166,14 @@ def _config(template: str, programs: int, loader: int = 1) -> dict:
     return cfg
 
 
-def _programs(template: str, sched) -> int:
+def _tiles(template: str, sched) -> int:
+    """The template's output tiles over the product."""
     bm, bn = TEMPLATES[template][1][:2]
-    return min(tma.sm_count(), -(-sched.m // bm) * -(-sched.n // bn))
+    return -(-sched.m // bm) * -(-sched.n // bn)
+
+
+def _programs(template: str, sched) -> int:
+    return min(tma.sm_count(), _tiles(template, sched))
 
 
 def candidates(sched) -> list[dict]:
@@ -201,8 +206,9 @@ def first_choice(sched) -> list[dict]:
     offered = candidates(sched)
     if sched.special:
         return [c for c in offered if c["TEMPLATE"] == "pingpong"]
-    return [c for c in offered if c["TEMPLATE"] == "cooperative" and c["LOADER"] == 1 and
-            -(-sched.m // c["BLOCK_M"]) * -(-sched.n // c["BLOCK_N"]) >= WAVES * tma.sm_count()]
+    if _tiles("cooperative", sched) < WAVES * tma.sm_count():
+        return []
+    return [c for c in offered if c["TEMPLATE"] == "cooperative" and c["LOADER"] == 1]
 
 
 def runnable(cfg: dict, sched) -> bool:
