@@ -307,6 +307,21 @@ EPILOGUE_REGS = gl.constexpr(104)
 
 
 @gluon.jit
+def _program_tiles(TILES: gl.constexpr, PROGRAMS: gl.constexpr):
+    """How many of TILES output tiles this program runs (tiles pid, pid + PROGRAMS, ...)."""
+    return (TILES - gl.program_id(0) + PROGRAMS - 1) // PROGRAMS
+
+
+@gluon.jit
+def _to_staging(acc, rows, acc_free, WHICH: gl.constexpr, t):
+    """MMA warpgroup WHICH's product of the program's t-th tile, rounded to the operands'
+    dtype, into its rows of the staging tile, once the epilogue has read its last."""
+    mbarrier.wait(acc_free.index(WHICH), (t & 1) ^ 1)
+    rows.store(acc.to(rows.dtype))
+    gl.thread_barrier()  # every thread's rows are in before they are read
+
+
+@gluon.jit
 def _cooperative_mma(a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_ready, acc_free, c_ptr,
                      EPILOGUE: gl.constexpr, epi_args, WHICH: gl.constexpr, M: gl.constexpr, N: gl.constexpr,
                      K: gl.constexpr, SC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -326,7 +341,7 @@ def _cooperative_mma(a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_
                                                      instr_shape=[16, BLOCK_N, 16])
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=layout)
     rows = staging.slice(WHICH * BLOCK_M, BLOCK_M)
-    tiles = (TILES_M * TILES_N - gl.program_id(0) + PROGRAMS - 1) // PROGRAMS
+    tiles = _program_tiles(TILES_M * TILES_N, PROGRAMS)
     fills = tiles * KT
     PRODUCER: gl.constexpr = not LOADER and WHICH == 0
     if PRODUCER:
@@ -337,18 +352,14 @@ def _cooperative_mma(a_desc, b_desc, a_smem, b_smem, staging, ready, empty, acc_
         acc = _cooperative_products(a_desc, b_desc, a_smem, b_smem, ready, empty, zero, t, fills, WHICH, KT,
                                     BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS,
                                     B_KMAJOR, PRODUCER)
-        mbarrier.wait(acc_free.index(WHICH), (t & 1) ^ 1)
-        rows.store(acc.to(rows.dtype))
-        gl.thread_barrier()  # every thread's rows are in before the epilogue is told
+        _to_staging(acc, rows, acc_free, WHICH, t)
         mbarrier.arrive(acc_ready.index(WHICH), count=1)
     if TAIL:  # outside the loop: the loop's code stays the K loop's and the hand-over's
         t = tiles - 1
         acc = _cooperative_products(a_desc, b_desc, a_smem, b_smem, ready, empty, zero, t, fills, WHICH, KT,
                                     BLOCK_M, BLOCK_N, BLOCK_K, TILES_M, TILES_N, GROUP_M, STAGES, PROGRAMS,
                                     B_KMAJOR, PRODUCER)
-        mbarrier.wait(acc_free.index(WHICH), (t & 1) ^ 1)
-        rows.store(acc.to(rows.dtype))
-        gl.thread_barrier()
+        _to_staging(acc, rows, acc_free, WHICH, t)
         pid_m, pid_n = _tile(gl.program_id(0) + t * PROGRAMS, TILES_M, TILES_N, GROUP_M)
         chunks = rows._reinterpret(rows.dtype, [BLOCK_M // CHUNK, CHUNK, BLOCK_N], rows.layout)
         _store_chunks(chunks, 0, (2 * pid_m + WHICH) * BLOCK_M, pid_n, c_ptr, EPILOGUE, epi_args, BLOCK_M // CHUNK,
@@ -408,7 +419,7 @@ def _cooperative_epilogue(staging, acc_ready, acc_free, c_ptr, EPILOGUE: gl.cons
     CHUNK: gl.constexpr = 4 * gl.num_warps()  # 32 elements a thread at 256 columns
     NCH: gl.constexpr = BLOCK_M // CHUNK
     chunks = staging._reinterpret(staging.dtype, [2 * NCH, CHUNK, BLOCK_N], staging.layout)
-    tiles = (TILES_M * TILES_N - gl.program_id(0) + PROGRAMS - 1) // PROGRAMS
+    tiles = _program_tiles(TILES_M * TILES_N, PROGRAMS)
     for t in range(tiles - TAIL):
         pid_m, pid_n = _tile(gl.program_id(0) + t * PROGRAMS, TILES_M, TILES_N, GROUP_M)
         for half in gl.static_range(2):
