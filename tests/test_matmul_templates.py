@@ -44,6 +44,7 @@ def silu_linear(x, w, b):  # sigmoid, which Gluon spells otherwise
 
 
 FNS = {f.__name__: f for f in (gelu_bias, gelu_tanh_bias, linear_residual, relu_scaled, silu_linear)}
+SPECIAL = {"gelu_bias", "gelu_tanh_bias", "silu_linear"}  # epilogues with a special function: chunked
 
 
 def make_inputs(name, m, n, k, dtype=torch.float16, device=DEVICE):
@@ -122,21 +123,27 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
     _, k, _ = matmul_kernel("gelu_bias")
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     monkeypatch.delenv("EQFUSE_PINGPONG", raising=False)
-    pp, coop, coop4 = templates.candidates(k.schedule)
+    pp, pp8, coop, coop4 = templates.candidates(k.schedule)
     assert pp["TEMPLATE"] == "pingpong" and pp["PROGRAMS"] == 1  # one 128 x 128 tile
+    # gelu's erf: its epilogue in chunks of 16 rows, or 8 (half the code)
+    assert (pp["CHUNK"], pp8) == (16, {**pp, "CHUNK": 8})
     assert coop["TEMPLATE"] == "cooperative" and (coop["BLOCK_M"], coop["BLOCK_N"]) == (128, 256)
     # gelu's erf: also four epilogue warps, the ring filled by an MMA warpgroup
     assert (coop["LOADER"], coop4) == (1, {**coop, "LOADER": 0})
     _, light, _ = matmul_kernel("relu_scaled")
-    assert [c.get("LOADER") for c in templates.candidates(light.schedule)] == [None, 1]
-    for cfg in (pp, coop):
+    light_pp, light_coop = templates.candidates(light.schedule)
+    assert (light_pp.get("CHUNK"), light_coop["LOADER"]) == (None, 1)  # stored by TMA, unchunked
+    assert not templates.runnable({**light_pp, "CHUNK": 16}, light.schedule)
+    for cfg in (pp, pp8, coop):
         assert templates.runnable(cfg, k.schedule) and not templates.runnable({**cfg, "BLOCK_N": 64}, k.schedule)
+    unchunked = {key: v for key, v in pp.items() if key != "CHUNK"}  # a cached config from before CHUNK was one
+    assert not templates.runnable(unchunked, k.schedule) and not templates.runnable({**pp, "CHUNK": 4}, k.schedule)
     assert templates.runnable(coop4, k.schedule) and not templates.runnable({**coop, "LOADER": 2}, k.schedule)
     from eqfuse.codegen.kernel import fits
     stale = {"PINGPONG": 1, **{key: v for key, v in pp.items() if key != "TEMPLATE"}}  # an earlier cache's spelling
     assert fits(k.schedule, pp) and not fits(k.schedule, stale)
     unrounded = dataclasses.replace(k.schedule, rounded=False)  # the product not in the operands' dtype
-    assert [c["TEMPLATE"] for c in templates.candidates(unrounded)] == ["pingpong"]
+    assert {c["TEMPLATE"] for c in templates.candidates(unrounded)} == {"pingpong"}
     assert not templates.runnable(coop, unrounded)
     monkeypatch.setenv("EQFUSE_PINGPONG", "0")  # off: neither offered nor taken from a cache
     assert templates.candidates(k.schedule) == [] and not templates.runnable(pp, k.schedule)
@@ -179,9 +186,10 @@ def test_no_candidate_without_a_hopper_gpu(monkeypatch):
 
 
 def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, device=DEVICE,
-                    template="pingpong", loader=None):
+                    template="pingpong", loader=None, chunk=None):
     """The module with the kernel as a template, as a Hopper GPU's autotuner would make it
-    (the cooperative one's ring filled by a loader warp or not, where ``loader`` says)."""
+    (the cooperative one's ring filled by a loader warp or not, where ``loader`` says; the
+    ping-pong one's chunk of rows, where ``chunk`` does)."""
     inputs = make_inputs(name, m, n, k, dtype, device)
     compiled = eqfuse.compile(FNS[name], tuple(inputs), autotune=False)
     (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "matmul"]
@@ -189,6 +197,8 @@ def template_module(monkeypatch, name, m=64, n=72, k=48, dtype=torch.float16, de
     cfg = next(c for c in templates.candidates(kernel.schedule) if c["TEMPLATE"] == template)
     if loader is not None:
         cfg = {**cfg, "LOADER": loader}
+    if chunk is not None:
+        cfg = {**cfg, "CHUNK": chunk}
     source, infos = generate_module(compiled.plan, name, "test", {kernel.name: cfg})
     (info,) = [i for i in infos if i.name == kernel.name]
     return compiled, info, source, inputs
@@ -224,6 +234,9 @@ def test_an_epilogue_with_a_special_function_runs_in_chunks_of_rows(monkeypatch,
     instruction cache); a light epilogue stays in registers and is stored by TMA."""
     _, info, _, _ = template_module(monkeypatch, name)
     assert info.constexprs["CHUNK"] == chunk
+    if chunk:  # the autotuner's other chunk
+        _, info, _, _ = template_module(monkeypatch, name, chunk=8)
+        assert info.constexprs["CHUNK"] == 8
 
 
 def test_a_sized_module_keeps_the_triton_kernel(monkeypatch):
@@ -297,11 +310,15 @@ def _hopper() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the template needs a Hopper GPU (sm_90a)")
 @pytest.mark.parametrize("m,n,k", [(17, 72, 64), (100, 200, 64), (300, 264, 200), (1024, 768, 768)])
-@pytest.mark.parametrize("name", list(FNS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("template,loader", [("pingpong", None), ("cooperative", 0), ("cooperative", 1)])
-def test_template_matches_eager(monkeypatch, name, m, n, k, dtype, template, loader):
-    compiled, info, source, inputs = template_module(monkeypatch, name, m, n, k, dtype, "cuda", template, loader)
+@pytest.mark.parametrize("name,template,loader,chunk", [
+    (name, template, loader, chunk) for name in FNS
+    for template, loader, chunk in [("pingpong", None, None), ("pingpong", None, 8), ("cooperative", 0, None),
+                                    ("cooperative", 1, None)]
+    if chunk is None or name in SPECIAL])
+def test_template_matches_eager(monkeypatch, name, m, n, k, dtype, template, loader, chunk):
+    compiled, info, source, inputs = template_module(monkeypatch, name, m, n, k, dtype, "cuda", template, loader,
+                                                     chunk)
     assert template in info.template.replace("-", "")
     module = cache.load_module(cache.cache_key(source, "cuda"), source, interpret=False)
     got = module.call(inputs[0].device, [], *inputs)[0]

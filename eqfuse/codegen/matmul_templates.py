@@ -23,8 +23,8 @@ gelu(x@W+b) at 8192 x 4096 x 4096 in some runs and the cooperative one in others
 299.6 us against 306.9 without it; benchmarks/models_template_ab.py), and kept the Triton
 kernel for GPT-2's MLP output product (K = 3072, N = 768: three 256-column tiles across N).
 A ping-pong epilogue that computes a special function (erf, exp, tanh...) runs in chunks
-of rows (``CHUNK``), so that each consumer's copy of its code is one chunk's: unrolled over
-the tile, two copies of erf's overflowed the instruction cache, and in GPT-2's block the
+of rows (``CHUNK``: 16 or 8, both timed), so that each consumer's copy of its code is one
+chunk's: unrolled over the tile, two copies of erf's overflowed the instruction cache, and in GPT-2's block the
 MLP product with tanh-form gelu ran 87-88 us against the Triton kernel's 82, though 75
 against 84 alone. Chunked, on an H100 (benchmarks/matmul_pingpong_block.py): 73.9 in the
 block against 81.5.
@@ -54,8 +54,10 @@ GROUP_M = 8
 # many tiles an SM or more (first_choice)
 WAVES = 6
 # Rows of a chunk where the epilogue computes a special function: its code is one chunk's
-# (matmul_hopper._chunked_epilogue), not the whole tile's twice over
-CHUNK = 16
+# (matmul_hopper._chunked_epilogue), not the whole tile's twice over. 16 rows are 16
+# elements a thread; 8, half the code, ran gelu's erf form 3-5% faster at 8192 x 4096 x
+# 4096 and 3% slower at GPT-2's MLP shape (H100), so the autotuner times both.
+CHUNKS = (16, 8)
 # Triton operators that Gluon has under the same name and with the same semantics; and
 # those written otherwise
 SAME_IN_GLUON = {"load", "where", "maximum", "minimum", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "erf",
@@ -155,14 +157,17 @@ def _in_gluon(lines: list, acc: str, buffers: set) -> tuple | None:
     return (out, args) if not unknown else None
 
 
-def _config(template: str, programs: int, loader: int = 1) -> dict:
+def _config(template: str, programs: int, loader: int = 1, chunk: int = 0) -> dict:
     """A template's configuration, on ``programs`` persistent programs; for the cooperative
-    one, how its ring is filled (``LOADER``)."""
+    one, how its ring is filled (``LOADER``); for a ping-pong epilogue with a special
+    function, its chunk's rows (``CHUNK``)."""
     bm, bn, bk, stages = TEMPLATES[template][1]
     cfg = {"TEMPLATE": template, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M, "num_warps": 4,
            "num_stages": stages, "PROGRAMS": programs}
     if template == "cooperative":
         cfg["LOADER"] = loader
+    elif chunk:
+        cfg["CHUNK"] = chunk
     return cfg
 
 
@@ -187,7 +192,8 @@ def candidates(sched) -> list[dict]:
 
     if not eligible(sched) or not offered() or not device_supports():
         return []
-    out = [_config("pingpong", _programs("pingpong", sched))]
+    programs = _programs("pingpong", sched)
+    out = [_config("pingpong", programs, chunk=chunk) for chunk in (CHUNKS if sched.special else (0,))]
     if sched.rounded:
         programs = _programs("cooperative", sched)
         out += [_config("cooperative", programs, loader) for loader in ((1, 0) if sched.special else (1,))]
@@ -205,7 +211,7 @@ def first_choice(sched) -> list[dict]:
     1.5 an SM, the Triton kernel's 76.2 against 82-85)."""
     offered = candidates(sched)
     if sched.special:
-        return [c for c in offered if c["TEMPLATE"] == "pingpong"]
+        return [c for c in offered if c["TEMPLATE"] == "pingpong" and c["CHUNK"] == CHUNKS[0]]
     if _tiles("cooperative", sched) < WAVES * tma.sm_count():
         return []
     return [c for c in offered if c["TEMPLATE"] == "cooperative" and c["LOADER"] == 1]
@@ -219,7 +225,10 @@ def runnable(cfg: dict, sched) -> bool:
     if sched is None or not eligible(sched) or not offered() or template not in TEMPLATES or \
             not isinstance(programs, int) or programs < 1 or (template == "cooperative" and not sched.rounded):
         return False
-    return cfg == _config(template, programs, cfg.get("LOADER", 1)) and cfg.get("LOADER", 1) in (0, 1)
+    chunk = cfg.get("CHUNK", 0)
+    if template == "pingpong" and (chunk in CHUNKS) != bool(sched.special):
+        return False  # a chunked epilogue is one with a special function
+    return cfg == _config(template, programs, cfg.get("LOADER", 1), chunk) and cfg.get("LOADER", 1) in (0, 1)
 
 
 def pointer_config(cfg: dict) -> dict:
@@ -260,7 +269,7 @@ def generate(spec: KernelSpec, sched, buffers: dict, cfg: dict, runtime: frozens
     if cooperative:
         values["LOADER"] = cfg["LOADER"]
     else:
-        values["CHUNK"] = CHUNK if sched.special else 0
+        values["CHUNK"] = cfg.get("CHUNK", 0)
     what = f"the Hopper {'cooperative' if cooperative else 'ping-pong'} matmul template"
     text = "\n".join([
         f"# {name}: {what} (eqfuse/codegen/matmul_hopper.py) with this kernel's",
