@@ -179,6 +179,28 @@ def test_an_untuned_build_takes_the_cooperative_template_first_for_a_light_epilo
         assert fallback_candidates(dataclasses.replace(big, rounded=False))[0].get("TEMPLATE") is None
 
 
+def test_a_stored_config_the_build_refuses_is_timed_again(tmp_path, monkeypatch):
+    """An autotuning store from before the ping-pong epilogue's CHUNK was a config key holds
+    its config without it: the kernel is timed again (it is pending), not run as the
+    default Triton kernel in the template's place."""
+    from eqfuse.runtime import autotune
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a Hopper GPU")
+    compiled, k, _ = matmul_kernel("gelu_bias")
+    monkeypatch.setattr(flash, "device_supports", lambda: True)
+    _, infos = generate_module(compiled.plan, "gelu_bias", "test")
+
+    def stored():
+        chosen, pending = autotune._stored(compiled.plan, infos, "test")
+        return chosen.get(k.name), {i.name: key for i, key in pending}
+    _, pending = stored()
+    pp = templates.candidates(k.schedule)[0]
+    autotune._save(pending[k.name], {key: v for key, v in pp.items() if key != "CHUNK"})
+    assert stored()[0] is None and k.name in stored()[1]
+    autotune._save(pending[k.name], pp)
+    assert stored()[0] == pp and k.name not in stored()[1]
+
+
 def test_no_candidate_without_a_hopper_gpu(monkeypatch):
     _, k, _ = matmul_kernel("relu_scaled")
     monkeypatch.setattr(flash, "device_supports", lambda: False)

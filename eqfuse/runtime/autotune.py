@@ -121,7 +121,9 @@ def first_choices(plan, infos, version) -> dict:
 
 def _stored(plan, infos, version) -> tuple[dict, list]:
     """({kernel name: config} of the kernels a config was timed for before, [(kernel info,
-    store key)] of the others)."""
+    store key)] of the others). A stored config this build would refuse (``kernel.fits``:
+    one stored before a config key it now needs, such as a ping-pong epilogue's CHUNK) is
+    timed again, not left to code generation, which would run the default in its place."""
     device = torch.cuda.get_device_name()
     store = _load_store()
     chosen: dict = {}
@@ -131,7 +133,7 @@ def _stored(plan, infos, version) -> tuple[dict, list]:
         sizes = {**info.schedule.sizes, "grid": list(info.schedule.grid(info.constexprs)[1:])}
         dtypes = [plan.buffers[p].dtype for p in info.params]
         key = cache_key(info.source, sizes, dtypes, device, version)
-        if key in store:
+        if key in store and kgen.fits(info.schedule, store[key]):
             chosen[info.name] = store[key]
         else:
             pending.append((info, key))
