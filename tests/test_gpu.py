@@ -34,6 +34,8 @@ def _matmul_with_impossible_first_choice(monkeypatch, also_rest: bool, huge=None
     huge = huge or {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 512, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     real = tiles.ranked
     monkeypatch.setattr(tiles, "ranked", lambda sched, *a: [huge] + ([] if also_rest else real(sched, *a)))
+    # On Hopper the autotuner also times the matmul templates, which would run in its place
+    monkeypatch.setenv("EQFUSE_PINGPONG", "0")
     x = torch.randn(256, 512, device="cuda", dtype=torch.float16)
     w = torch.randn(512, 256, device="cuda", dtype=torch.float16)
     fn = lambda x, w: torch.relu(x @ w)  # noqa: E731
@@ -122,6 +124,11 @@ def test_pool_compiles_every_kernel_before_its_first_launch(fresh_caches, jit_co
     assert "note" not in compiled.report
 
 
+def in_pool(outcome: dict) -> int:
+    """Kernels the pool compiled before the first call, and those it compiles on in the background."""
+    return outcome["compiled_in_pool"] + len(outcome.get("compiling_in_background", []))
+
+
 def test_untimed_build_returns_while_its_kernels_compile(fresh_caches, jit_compiles):
     """Untimed: the build returns with the module's kernels compiling in the pool
     (pipeline._start_kernels); the first call waits for them, launches each once, runs."""
@@ -131,7 +138,9 @@ def test_untimed_build_returns_while_its_kernels_compile(fresh_caches, jit_compi
     assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
     assert jit_compiles == []  # the launch check and the call: all loaded from the cache
     final = compiled.report["compile"]["module"]
-    assert final["compiled_in_pool"] == final["kernels"] == len(compiled.kernels) >= 2, final
+    # gelu's product may take the ping-pong template, which compiles on in the background
+    # while its portable twin (one more kernel for the pool) runs (parallel_compile._deferrable)
+    assert in_pool(final) == final["kernels"] >= len(compiled.kernels) >= 2, final
     assert compiled.report["seconds"]["compile"] > 0 and "first_call_wait" in compiled.report["seconds"]
     assert "note" not in compiled.report
     assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)  # the later path
@@ -213,7 +222,7 @@ def test_pool_keys_as_the_jit_after_the_ptxas_path_changed(fresh_caches, jit_com
         compiled = eqfuse.compile(gelu_mlp_softmax, inputs, autotune=False, cuda_graphs=False)
         assert_matches(compiled(*inputs), gelu_mlp_softmax(*inputs), contraction=True)
         pool = compiled.report["compile"]["module"]
-        assert pool["compiled_in_pool"] == pool["kernels"] >= 2 and "failed" not in pool, pool
+        assert in_pool(pool) == pool["kernels"] >= 2 and "failed" not in pool, pool
         assert jit_compiles == []
     finally:
         pc.shutdown()
