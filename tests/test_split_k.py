@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_matches
+from conftest import DEVICE, assert_matches
 
 import eqfuse
 from eqfuse.codegen import kernel as kgen
@@ -193,7 +193,9 @@ def test_plan_cache_key_holds_the_switch(monkeypatch):
 def _int4_plan(tokens: int):
     from eqfuse.examples import MATMUL_EXAMPLES
     ex = MATMUL_EXAMPLES["int4_matmul"]
-    return eqfuse.compile(ex.fn, ex.make_inputs(tokens, 4096, 4096, torch.float16, "cpu"), validate=False)
+    # on the suite's device: CPU tensors on a GPU machine (no interpreter) would run in eager
+    return eqfuse.compile(ex.fn, ex.make_inputs(tokens, 4096, 4096, torch.float16, DEVICE), validate=False,
+                          autotune=False)
 
 
 @pytest.mark.parametrize("tokens", [16, 128])
