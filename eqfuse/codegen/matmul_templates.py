@@ -24,10 +24,10 @@ gelu(x@W+b) at 8192 x 4096 x 4096 in some runs and the cooperative one in others
 kernel for GPT-2's MLP output product (K = 3072, N = 768: three 256-column tiles across N).
 A ping-pong epilogue that computes a special function (erf, exp, tanh...) runs in chunks
 of rows (``CHUNK``: 16 or 8, both timed), so that each consumer's copy of its code is one
-chunk's: unrolled over the tile, two copies of erf's overflowed the instruction cache, and in GPT-2's block the
-MLP product with tanh-form gelu ran 87-88 us against the Triton kernel's 82, though 75
-against 84 alone. Chunked, on an H100 (benchmarks/matmul_pingpong_block.py): 73.9 in the
-block against 81.5.
+chunk's: unrolled over the tile, two copies of erf's overflowed the instruction cache, and
+in GPT-2's block the MLP product with tanh-form gelu ran 87-88 us against the Triton
+kernel's 82, though 75 against 84 alone. Chunked, on an H100
+(benchmarks/matmul_pingpong_block.py): 73.9 in the block against 81.5.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ GROUP_M = 8
 WAVES = 6
 # Rows of a chunk where the epilogue computes a special function: its code is one chunk's
 # (matmul_hopper._chunked_epilogue), not the whole tile's twice over. 16 rows are 16
-# elements a thread; 8, half the code, ran gelu's erf form 3-5% faster at 8192 x 4096 x
-# 4096 and 3% slower at GPT-2's MLP shape (H100), so the autotuner times both.
+# elements a thread; 8, half the code, ran gelu's erf form 2-5% faster at 8192 x 4096 x
+# 4096 and 3% slower at GPT-2's MLP shape and SwiGLU's gate product (H100), so the
+# autotuner times both and an untuned build takes 16.
 CHUNKS = (16, 8)
 # Triton operators that Gluon has under the same name and with the same semantics; and
 # those written otherwise
