@@ -55,8 +55,8 @@ GROUP_M = 8
 WAVES = 6
 # Rows of a chunk where the epilogue computes a special function: its code is one chunk's
 # (matmul_hopper._chunked_epilogue), not the whole tile's twice over. 16 rows are 16
-# elements a thread; 8, half the code, ran gelu's erf form 2-5% faster at 8192 x 4096 x
-# 4096 and 3% slower at GPT-2's MLP shape and SwiGLU's gate product (H100), so the
+# elements a thread; 8, half the code, ran gelu's erf form 1.4-4.8% faster at 8192 x 4096
+# x 4096 and 3% slower at GPT-2's MLP shape and SwiGLU's gate product (H100), so the
 # autotuner times both and an untuned build takes 16.
 CHUNKS = (16, 8)
 # Triton operators that Gluon has under the same name and with the same semantics; and
