@@ -74,7 +74,7 @@ def _broadcastable(x: tuple, y: tuple) -> bool:
 def test_random_graph_matches_eager(seed):
     shapes, f = random_program(seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    inputs = [torch.randn(*s, generator=gen).to(torch.get_default_device()) for s in shapes]
+    inputs = [torch.randn(*s, generator=gen, device="cpu").to(torch.get_default_device()) for s in shapes]
     ref = f(*inputs)
     assert all(torch.isfinite(r).all() for r in (ref if isinstance(ref, tuple) else (ref,)))  # the ops are bounded
     c = eqfuse.compile(f, inputs)

@@ -33,9 +33,9 @@ def test_algebra_rule_is_sound(rule):
 def test_matmul_rule_is_sound(rule):
     gen = torch.Generator(device="cpu").manual_seed(hash(rule.name) % 2**31)
     for m, k, n in ((1, 1, 1), (5, 7, 3), (17, 33, 9)):
-        a = torch.randn(m, k, dtype=torch.float64, generator=gen)
-        b = torch.randn(k, n, dtype=torch.float64, generator=gen)
-        s = torch.randn((), dtype=torch.float64, generator=gen) * 3
+        a = torch.randn(m, k, dtype=torch.float64, generator=gen, device="cpu")
+        b = torch.randn(k, n, dtype=torch.float64, generator=gen, device="cpu")
+        s = torch.randn((), dtype=torch.float64, generator=gen, device="cpu") * 3
         lhs, rhs = rule.pattern(TorchBuilder(), a, b, s)
         torch.testing.assert_close(lhs, rhs, rtol=1e-10, atol=1e-10)
 
@@ -118,10 +118,10 @@ def test_softmax_rule_is_sound(rule):
     far from zero (the row max is what keeps exp finite) and hold -inf (a mask)."""
     gen = torch.Generator(device="cpu").manual_seed(hash(rule.name) % 2**31)
     for b, m, n, d in ((1, 1, 1, 1), (2, 5, 7, 3), (3, 17, 33, 9)):
-        s = torch.randn(b, m, n, dtype=torch.float64, generator=gen) * 4 + 30
-        s[..., 1:][torch.rand(b, m, n - 1, generator=gen) < 0.3] = float("-inf")
-        v = torch.randn(b, n, d, dtype=torch.float64, generator=gen)
-        r = torch.rand(b, m, 1, dtype=torch.float64, generator=gen) + 0.5
+        s = torch.randn(b, m, n, dtype=torch.float64, generator=gen, device="cpu") * 4 + 30
+        s[..., 1:][torch.rand(b, m, n - 1, generator=gen, device="cpu") < 0.3] = float("-inf")
+        v = torch.randn(b, n, d, dtype=torch.float64, generator=gen, device="cpu")
+        r = torch.rand(b, m, 1, dtype=torch.float64, generator=gen, device="cpu") + 0.5
         x = torch.exp(s - s.amax(-1, keepdim=True)) if rule.row_factor else s
         lhs, rhs = rule.pattern(TorchBuilder(), x, v, r)
         tol = 1e-10 if rule.exact else 2e-3  # float16 rounding of the weights
@@ -135,14 +135,14 @@ def test_concat_rules_are_sound(batch):
     """Both sides of reshape-cat-last, dot-cat-split, slice-read and slice-permute, on
     random inputs, as the rules write them (a cat of three is two nested ones)."""
     gen = torch.Generator(device="cpu").manual_seed(len(batch))
-    a, b, c = (torch.randn(*batch, 2, 5, k, dtype=torch.float64, generator=gen) for k in (4, 7, 3))
+    a, b, c = (torch.randn(*batch, 2, 5, k, dtype=torch.float64, generator=gen, device="cpu") for k in (4, 7, 3))
     cat = torch.cat([torch.cat([a, b], -1), c], -1)
     # reshape-cat-last: regrouping the leading axes passes through a cat along the last
     rows = (*batch, 10)
     regrouped = torch.cat([torch.cat([a.reshape(*rows, 4), b.reshape(*rows, 7)], -1), c.reshape(*rows, 3)], -1)
     assert torch.equal(cat.reshape(*rows, 14), regrouped)
     # dot-cat-split: a product over a concatenated K is the sum over the parts
-    w = torch.randn(*batch, 14, 6, dtype=torch.float64, generator=gen)
+    w = torch.randn(*batch, 14, 6, dtype=torch.float64, generator=gen, device="cpu")
     x = cat.reshape(*rows, 14)
     split = x[..., :11] @ w[..., :11, :] + c.reshape(*rows, 3) @ w[..., 11:, :]
     torch.testing.assert_close(x @ w, split, rtol=1e-12, atol=1e-12)
@@ -150,13 +150,13 @@ def test_concat_rules_are_sound(batch):
     torch.testing.assert_close(inner, a.reshape(*rows, 4) @ w[..., :4, :] + b.reshape(*rows, 7) @ w[..., 4:11, :],
                                rtol=1e-12, atol=1e-12)
     # slice-read: a slice of a strided read is a read at an offset, the stride times the step
-    buf = torch.randn(200, dtype=torch.float64, generator=gen)
+    buf = torch.randn(200, dtype=torch.float64, generator=gen, device="cpu")
     view = buf.as_strided((6, 5), (20, 3), 7)
     dim, start, step, size = 0, 1, 2, 3
     sliced = view.narrow(dim, start, (size - 1) * step + 1)[::step]
     assert torch.equal(sliced, buf.as_strided((3, 5), (20 * step, 3), 7 + start * 20))
     # slice-permute: slicing dim d of permute(x, p) slices dim p[d] of x
-    t = torch.randn(4, 6, 5, dtype=torch.float64, generator=gen)
+    t = torch.randn(4, 6, 5, dtype=torch.float64, generator=gen, device="cpu")
     p = (2, 0, 1)
     assert torch.equal(t.permute(p).narrow(2, 1, 3), t.narrow(p[2], 1, 3).permute(p))
 
@@ -169,8 +169,10 @@ def test_product_over_a_concatenation_reads_each_part(dtype):
     def f(q, k, v, w):
         return torch.cat([q, k, v], -1).reshape(-1, 3 * q.shape[-1]) @ w.t()
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(2, 9, 256, generator=gen).to(dtype) for _ in range(3))
-    w = torch.randn(17, 768, generator=gen).to(dtype)
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cpu").to(torch.get_default_device(), dtype)
+    q, k, v = (rand(2, 9, 256) for _ in range(3))
+    w = rand(17, 768)
     c = eqfuse.compile(f, (q, k, v, w))
     assert_matches(c(q, k, v, w), f(q, k, v, w), contraction=True)
     fired = c.report["saturation"]["rules_fired"]

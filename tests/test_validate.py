@@ -4,6 +4,7 @@ tensor; outputs compared piece by piece give the verdict of a whole comparison."
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import eqfuse
 from eqfuse.examples import ATTENTION_EXAMPLES
@@ -22,7 +23,7 @@ def _rotary_cat_slices(x, y):
 
 GRAPHS = {
     **{name: (ATTENTION_EXAMPLES[name].fn, lambda n=name: ATTENTION_EXAMPLES[n].make_inputs(2, 4, 32, 16,
-                                                                                            torch.float32, "cpu"))
+                                                                                            torch.float32, DEVICE))
        for name in ("causal_attention", "gqa_attention", "padded_attention", "causal_attention_bias")},
     "llama_layer": (LlamaLayer(), lambda: (torch.randn(2, 16, 64),)),
     "views": (_rotary_cat_slices, lambda: (torch.randn(12, 16), torch.randn(12, 16))),
@@ -53,7 +54,7 @@ class _Recorder:
 def test_chunked_evaluation_equals_whole_evaluation(name, monkeypatch):
     fn, make = GRAPHS[name]
     torch.manual_seed(0)
-    inputs = tuple(x.to("cpu") for x in make())
+    inputs = tuple(x.to(DEVICE) for x in make())
     compiled = eqfuse.compile(fn, inputs)
     plan = compiled.plan
     flat = capture(fn, inputs).example_tensors  # the inputs, then the module's weights
@@ -71,7 +72,7 @@ def test_chunked_attention_never_holds_the_score_matrix(monkeypatch):
     """Causal attention over 2 x 4 heads x 128 tokens: the scores are 131072 elements;
     in chunks of 4096 no node's value comes near that."""
     ex = ATTENTION_EXAMPLES["causal_attention"]
-    q, k, v = ex.make_inputs(2, 4, 128, 64, torch.float32, "cpu")
+    q, k, v = ex.make_inputs(2, 4, 128, 64, torch.float32, DEVICE)
     compiled = eqfuse.compile(ex.fn, (q, k, v))
     assert any(n.op == "expdot" for kern in compiled.plan.kernels for n in kern.walk())
     rec = _Recorder(monkeypatch)
