@@ -524,6 +524,7 @@ class _Batch:
             with lock:
                 compiled = _account(out, job, reply, p, self.explain)
                 if job.hash in self.deferred:
+                    out.background.remove(_in_background(job))  # counted above, or failed
                     # The template from now on, compiled or left to the JIT like any kernel
                     # the pool did not compile; one Triton refused keeps its twin (the JIT
                     # would refuse it too)
@@ -600,10 +601,15 @@ def _prepare(launches, target: tuple | None = None, defer: bool = False) -> _Bat
     for h, launchers in batch.deferred.items():
         for launcher in launchers:
             launcher.deferred = launcher.unchecked = True
-        out.background.append(f"{jobs[h].name}: its portable twin runs until it compiles")
+        out.background.append(_in_background(jobs[h]))
     batch.explain = lambda job, reply: _key_difference(job, fns[job.hash], backend, reply)
     out.prepare_seconds = time.perf_counter() - batch.start
     return batch
+
+
+def _in_background(job: Job) -> str:
+    """The report's line for a template compiling on in the background (until its reply)."""
+    return f"{job.name}: its portable twin runs until it compiles"
 
 
 class Pending:
