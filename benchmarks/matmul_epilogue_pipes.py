@@ -7,20 +7,22 @@ At gelu(x@W+b)'s shape in issue 3 (8192 x 4096 x 4096 fp16), eqfuse's cooperativ
 (``matmul_cooperative``, a loader warp beside two epilogue warps) and its ping-pong one
 (chunks of 8 rows) run the bias plus a synthetic chain of N dependent instructions an
 element of one kind, written in inline PTX so that the compiler keeps them; the chain's
-result is folded in as ``y * 0``, so every output is the product plus the bias (checked).
+result is folded in as ``y * 0``, so every output is the product plus the bias (checked;
+not for the ex2 chains, whose values overflow to inf within a few steps: inf * 0 is NaN).
 Each template's bias alone, gelu's erf form and cuBLAS's product alone are timed in the
 same interleaved rounds.
 
-Measured by the scratch probe this script was made from (same kernels and chains; NVIDIA
-H100, results/matmul-epilogue-pipes-probe_*_2026-11-26.json, one run; the script itself
-compiled its chains for sm_90 but has not yet run on a GPU):
-extra microseconds over the cooperative template's bias alone (433.3; cuBLAS 414.8):
-ffma x16 +40, x32 +58; fmul x32 +49; iadd x32 +21; ex2 x8 +11, x16 +93 (MUFU's own
-throughput: the two epilogue warps, on two of the SM's four schedulers, then need about a
-tile's K-loop time); gelu's erf form +29. Ping-pong: ffma x32 +38, erf +12. So float32
-FMA-pipe instructions on other warps cost the tensor cores most, integer ones about a
-third of that, MUFU nothing below its own throughput: an epilogue is cheap in the
-cooperative template to the extent it keeps off the FMA pipe.
+Measured (NVIDIA H100, results/matmul-epilogue-pipes_*_2026-11-26.json, this script; the
+scratch probe it was made from gave the same ordering): extra microseconds over the
+cooperative template's bias alone (434.2; cuBLAS 409.7): ffma x16 +37, x32 +78; fmul x32
++54; iadd x32 -2; ex2 x8 +6, x16 +119 (MUFU's own throughput: the two epilogue warps, on two
+of the SM's four schedulers, then need about a tile's K-loop time); gelu's erf form +14,
+its Phi form (``gelu_phi``) +31. Ping-pong: ffma x32 +50, erf +15, Phi +24. So float32
+FMA-pipe instructions on other warps cost the tensor cores most, integer ones and MUFU
+nothing below MUFU's own throughput. But the instruction count is not the whole cost: the
+Phi form, about half the erf form's FMA-pipe instructions, was slower in both templates
+here and in a probe with 50- and 200-ms windows (results/matmul-gelu-phi-probe_*), so
+eqfuse keeps libdevice's erf.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import triton
 from common import bench_interleaved, relative, save_results
 from matmul_epilogue_cost import _bias, cooperative
 from matmul_pingpong_probe import _gelu, template
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 # One instruction of each kind on a register ``t`` (float32) or ``u`` (32-bit integer):
 # each depends on the last, so the chain cannot be shortened
@@ -54,6 +58,26 @@ def epilogue(acc, mindex, nindex, M: gl.constexpr, N: gl.constexpr, bias):
     y = gl.inline_asm_elementwise(ASM, "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
     return x + y * 0.0
 '''
+
+
+@gluon.jit
+def gelu_phi(acc, mindex, nindex, M: gl.constexpr, N: gl.constexpr, bias):
+    """gelu(x) = x * Phi(x) with Phi(-|x|) = 2^p(|x|): p a degree-7 polynomial fitted (minimax,
+    float64) to log2 Phi(-t) on [0, 6], Phi(-t) taken as 0 past 6 (gelu rounds to 0 in float16
+    there). Max relative error 4.2e-6 in float32: 12 FMA-pipe instructions an element with the
+    bias, against about 25 for the erf form, and one MUFU ex2."""
+    x = acc + gl.load(bias + nindex).to(gl.float32)
+    t = gl.abs(x)
+    p = t * -1.8348141566093545e-06 + 6.159834447316825e-05
+    p = p * t - 0.0009305252460762858
+    p = p * t + 0.008507892489433289
+    p = p * t - 0.05396007373929024
+    p = p * t - 0.4584643840789795
+    p = p * t - 1.1512510776519775
+    p = p * t - 0.9999952912330627
+    h = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [p], dtype=gl.float32, is_pure=True, pack=1)
+    h = gl.where(t < 6.0, h, 0.0)
+    return x * gl.where(x >= 0, 1.0 - h, h)
 
 
 def chained(op: str, n: int, directory: str):
@@ -83,15 +107,17 @@ def main(argv=None) -> int:
     w = torch.randn(k, n, device="cuda", dtype=torch.float16, generator=g) / k ** 0.25
     bias = torch.randn(n, device="cuda", dtype=torch.float16, generator=g)
     with tempfile.TemporaryDirectory() as directory:
-        epilogues = {"bias": _bias, "gelu erf": _gelu}
+        epilogues = {"bias": _bias, "gelu erf": _gelu, "gelu phi": gelu_phi}
         epilogues.update({f"{op} x{count}": chained(op, count, directory) for op, count in CHAINS})
         fns = {"cublas": lambda: x @ w}
         fns.update({f"cooperative {name}": cooperative(x, w, e, bias, 1) for name, e in epilogues.items()})
         fns.update({f"pingpong {name}": template(x, w, epilogues[name], [bias], 128, 128, 4, chunk=8)
-                    for name in ("bias", "gelu erf", "ffma x32")})
+                    for name in ("bias", "gelu erf", "gelu phi", "ffma x32")})
         want = x @ w + bias
         err = {name: (f().float() - want.float()).abs().max().item() for name, f in fns.items()
                if name != "cublas" and "gelu" not in name}
+        gelu = torch.nn.functional.gelu(want.float())
+        err.update({name: (f().float() - gelu).abs().max().item() for name, f in fns.items() if "gelu" in name})
         us = bench_interleaved(fns)
     row = {"shape": [m, n, k], "err_vs_product_plus_bias": err, "us": {key: round(v, 1) for key, v in us.items()},
            "over_cublas": relative(us, "cublas")}
