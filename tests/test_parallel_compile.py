@@ -440,7 +440,8 @@ def _template_and_plain(monkeypatch, pool_class):
 def test_a_slow_template_runs_its_twin_until_it_compiles(monkeypatch):
     """A template with a portable twin (the flash template) is not waited for: Pending's
     wait() returns once the other kernels (the twin among them) are compiled, the launcher
-    runs the twin meanwhile, and the template from its reply on."""
+    runs the twin meanwhile, and the template from its reply on. The outcome lists it as
+    compiling in the background until then, and counts it compiled after."""
     import threading
 
     release = threading.Event()
@@ -451,22 +452,23 @@ def test_a_slow_template_runs_its_twin_until_it_compiles(monkeypatch):
 
         def compile(self, jobs, on_reply):
             sent.extend(j.name for j in jobs)
-            for i, job in enumerate(jobs):
-                if job.name == "template":
+            # As workers in parallel would: the template, sent first, replies last
+            for i in sorted(range(len(jobs)), key=lambda i: jobs[i].name == "template"):
+                if jobs[i].name == "template":
                     release.wait(10)
-                on_reply(i, {"hash": job.hash, "seconds": 0.1})
+                on_reply(i, {"hash": jobs[i].hash, "seconds": 0.1})
 
     template, plain = _template_and_plain(monkeypatch, FakePool)
     pending = pc.Pending([(template, [torch.empty(1)]), (plain, [torch.empty(1)])])
     assert template.deferred and not plain.deferred
-    # The fake pool replies in order and holds the template back: its jobs after it wait too
-    # unless the template is sent first, as the slowest one is
-    threading.Timer(0.2, release.set).start()
     out = pending.wait()
+    # The slowest job is sent first, so that no worker is left idle waiting for it at the end
     assert sent[0] == "template" and sorted(sent) == ["plain", "template", "twin"]
-    assert out.background == ["template: its portable twin runs until it compiles"]
+    assert out.background == ["template: its portable twin runs until it compiles"] and template.deferred
+    assert out.compiled == 2
+    release.set()
     pending._thread.join(10)
-    assert not template.deferred
+    assert not template.deferred and out.background == []
     assert out.compiled == 3 and not out.failed
 
 
