@@ -60,10 +60,11 @@ def relative(us: dict, base: str) -> dict:
     return {name: round(t / us[base], 3) for name, t in us.items()}
 
 
-def bench_interleaved(fns: dict) -> dict:
-    """name -> median over ROUNDS rounds, each round timing every contender once."""
+def bench_interleaved(fns: dict, window_ms: float = 50.0) -> dict:
+    """name -> median over ROUNDS rounds, each round timing every contender once, each time
+    over a window of at least ``window_ms``."""
     times: dict = {name: [] for name in fns}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
-            times[name].append(bench(fn))
+            times[name].append(bench(fn, window_ms))
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}

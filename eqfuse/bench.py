@@ -106,10 +106,10 @@ class Progress:
 MIN_CALLS = 10  # timed calls, at least, in one measurement
 
 
-def gpu_us(fn) -> float:
-    """Median microseconds of ``fn`` on the GPU, L2 flushed before each call, over at least
-    MIN_CALLS calls: do_bench's 50 ms window holds one call of a 40 ms training step, and
-    the median of one call is that call."""
+def gpu_us(fn, window_ms: float = 50.0) -> float:
+    """Median microseconds of ``fn`` on the GPU, L2 flushed before each call, over a window
+    of at least ``window_ms`` and MIN_CALLS calls: do_bench's 50 ms window holds one call
+    of a 40 ms training step, and the median of one call is that call."""
     import triton.testing
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -117,7 +117,7 @@ def gpu_us(fn) -> float:
     fn()
     end.record()
     torch.cuda.synchronize()
-    rep_ms = max(50.0, MIN_CALLS * start.elapsed_time(end))
+    rep_ms = max(window_ms, MIN_CALLS * start.elapsed_time(end))
     return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
 
 
