@@ -79,15 +79,16 @@ def _scratch_tensors(plan, example_inputs, constants) -> dict:
             # With the buffer's own strides: an output kept in eager's layout may span more
             # than its elements (q, k, v viewed from one [B, S, 3 * H * D] product), and a
             # contiguous scratch buffer was written past its end (illegal address on an H100).
-            # Filled through the memory it spans: a layout with a stride of 0 (a gradient
-            # returned expanded) overlaps itself, and torch writes no such view.
-            span = 1 + sum((n - 1) * s for n, s in zip(b.shape, b.layout)) if all(b.shape) else 0
-            memory = torch.empty(span, dtype=ops.DTYPES[b.dtype], device="cuda")
+            # Filled through its whole storage, as capture.real_examples fills inputs: a layout
+            # with a stride of 0 (a gradient returned expanded) overlaps itself, and torch
+            # writes no random values into such a view.
+            t = torch.empty_strided(b.shape, b.layout, dtype=ops.DTYPES[b.dtype], device="cuda")
+            memory = t.new_empty(0).set_(t.untyped_storage())
             if ops.is_float(b.dtype):
                 memory.normal_()
             else:
                 memory.zero_()
-            tensors[name] = memory.as_strided(b.shape, b.layout)
+            tensors[name] = t
     return tensors
 
 
