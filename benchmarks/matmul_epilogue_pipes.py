@@ -19,10 +19,10 @@ cooperative template's bias alone (434.2; cuBLAS 409.7): ffma x16 +37, x32 +78; 
 of the SM's four schedulers, then need about a tile's K-loop time); gelu's erf form +14,
 its Phi form (``gelu_phi``) +31. Ping-pong: ffma x32 +50, erf +15, Phi +24. So float32
 FMA-pipe instructions on other warps cost the tensor cores most, integer ones and MUFU
-nothing below MUFU's own throughput. But the instruction count is not the whole cost: the
-Phi form, about half the erf form's FMA-pipe instructions, was slower in both templates
-here and in a probe with 50- and 200-ms windows (results/matmul-gelu-phi-probe_*), so
-eqfuse keeps libdevice's erf.
+nothing below MUFU's own throughput. The Phi form, as many FMA-pipe instructions as the
+erf form but more of them FFMA, was slower in both templates here and in a probe with 50-
+and 200-ms windows (results/matmul-gelu-phi-probe_*, which has the SASS counts): libdevice's
+erf is already about 6 FMA-pipe instructions an element, so eqfuse keeps it.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def epilogue(acc, mindex, nindex, M: gl.constexpr, N: gl.constexpr, bias):
 def gelu_phi(acc, mindex, nindex, M: gl.constexpr, N: gl.constexpr, bias):
     """gelu(x) = x * Phi(x) with Phi(-|x|) = 2^p(|x|): p a degree-7 polynomial fitted (minimax,
     float64) to log2 Phi(-t) on [0, 6], Phi(-t) taken as 0 past 6 (gelu rounds to 0 in float16
-    there). Max relative error 4.2e-6 in float32: 12 FMA-pipe instructions an element with the
-    bias, against about 25 for the erf form, and one MUFU ex2."""
+    there). Max relative error 4.2e-6 in float32. In the cooperative template's SASS it has as
+    many FMA-pipe instructions an element as the erf form (10 against 10.7), more of them FFMA
+    (7 against 5), and none of erf's coefficient moves (7 MOV an element)."""
     x = acc + gl.load(bias + nindex).to(gl.float32)
     t = gl.abs(x)
     p = t * -1.8348141566093545e-06 + 6.159834447316825e-05
