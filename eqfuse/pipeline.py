@@ -41,6 +41,42 @@ def _real_tensors():
         yield
 
 
+def _random(target) -> bool:
+    """An op that draws from torch's generator (dropout, rand_like...). Attention's are
+    tagged so for their dropout, which eqfuse's attention handles itself."""
+    return (torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+            and "scaled_dot_product" not in str(target))
+
+
+def _unsupported_graph(gm) -> str | None:
+    """Why the graph as a whole runs in eager, where a node makes it so: in-place ops,
+    random ops, sparse or other non-strided tensors, shapes known only at run time
+    (boolean indexing, nonzero), and tensors with no elements (kernels index every dim of
+    what they compute; an empty one has nothing) but for those only concatenated (a
+    generation step's empty cache), which kernels skip."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+
+    def only_concatenated(n) -> bool:
+        return bool(n.users) and all(u.target is torch.ops.aten.cat.default for u in n.users)
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _random(n.target):  # before in-place: dropout's bernoulli_ is both
+            return f"random op {n.target} (the check against eager cannot draw the same numbers)"
+        if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False):
+            return f"in-place op {n.target} (mutation is not supported yet)"
+        values = n.meta.get("val")
+        for v in values if isinstance(values, (tuple, list)) else (values,):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if v.layout != torch.strided:
+                return f"{n.name} is a {v.layout} tensor (eqfuse kernels take strided ones)"
+            if free_unbacked_symbols(v):
+                return f"{n.name} ({n.target}) has a shape known only at run time"
+            if statically_known_true(v.numel() == 0) and not only_concatenated(n):  # no guard on a symbol
+                return f"{n.name} has no elements (shape {tuple(v.shape)})"
+    return None
+
+
 def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dict:
     from .runtime import plan_cache
     from .runtime.compiled import VERSION, FallbackInfo, make_fallback_runner
@@ -60,10 +96,9 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         result["report"]["note"] = f"whole graph runs in eager: {reason}"
         return result
 
-    mutating = [n for n in captured.gm.graph.nodes if n.op == "call_function"
-                and getattr(getattr(n.target, "_schema", None), "is_mutable", False)]
-    if mutating:
-        return eager(f"in-place op {mutating[0].target} (mutation is not supported yet)")
+    reason = _unsupported_graph(captured.gm)
+    if reason:
+        return eager(reason)
     if device_type != "cuda" and not _interpreter_ready():
         return eager("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
     key = None

@@ -71,6 +71,39 @@ def test_inplace_op_runs_whole_graph_in_eager():
     assert c.fallbacks and "in-place" in c.fallbacks[0].reason
 
 
+@pytest.mark.parametrize("f, make, reason", [
+    (lambda x: x.exp() + 1, lambda: (torch.randn(0, 7),), "has no elements (shape (0, 7))"),
+    (lambda x: x[:, :0].sum(-1) + x[:, 0], lambda: (torch.randn(3, 5),), "has no elements (shape (3, 0))"),
+    (lambda x: x[x > 0].sum() * 2, lambda: (torch.randn(8),), "has a shape known only at run time"),
+    (lambda x: x * 2, lambda: (torch.randn(4, 4, device="cpu").to_sparse(),), "sparse_coo tensor"),
+    (lambda x: x + torch.rand_like(x) * 0, lambda: (torch.randn(8),), "random op aten.rand_like"),
+    (lambda x: torch.nn.functional.dropout(x, 0.5, True) * 0, lambda: (torch.randn(8),), "random op aten.bernoulli"),
+], ids=["empty-input", "empty-slice", "boolean-mask", "sparse", "rand_like", "dropout"])
+def test_graphs_kernels_cannot_run_fall_back_with_their_reason(f, make, reason, caplog):
+    """Each built an internal error, or failed the check against eager (a validation that
+    quoted torch at length, or drew other random numbers), and ran in eager: now the graph
+    runs in eager with the node and reason in one line."""
+    inputs = make()
+    c = eqfuse.compile(f, inputs)
+    note = c.report.get("note", "")
+    assert reason in note and "internal" not in note and "\n" not in note, note
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    got, want = c(*inputs), f(*inputs)
+    if want.is_sparse:
+        got, want = got.to_dense(), want.to_dense()
+    assert_matches(got, want)
+
+
+def test_an_empty_tensor_only_concatenated_still_compiles():
+    """A generation step's empty cache, concatenated with the new keys: the kernel skips it."""
+    def f(past, new):
+        return torch.cat([past, new], 1) * 2
+    past, new = torch.randn(2, 0, 4), torch.randn(2, 3, 4)
+    c = eqfuse.compile(f, (past, new))
+    assert len(c.kernels) == 1 and not c.fallbacks
+    assert_matches(c(past, new), f(past, new))
+
+
 def test_saturation_limit_is_reported_and_result_still_correct():
     from eqfuse.examples import rmsnorm
     x, w = torch.randn(4, 8), torch.rand(8)
