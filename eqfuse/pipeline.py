@@ -41,16 +41,9 @@ def _real_tensors():
         yield
 
 
-def _random(target) -> bool:
-    """An op that draws from torch's generator (dropout, rand_like...). Attention's are
-    tagged so for their dropout, which eqfuse's attention handles itself."""
-    return (torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
-            and "scaled_dot_product" not in str(target))
-
-
 def _unsupported_graph(gm) -> str | None:
     """Why the graph as a whole runs in eager, where a node makes it so: in-place ops,
-    random ops, sparse or other non-strided tensors, shapes known only at run time
+    sparse or other non-strided tensors, shapes known only at run time
     (boolean indexing, nonzero), and tensors with no elements (kernels index every dim of
     what they compute; an empty one has nothing) but for those only concatenated (a
     generation step's empty cache), which kernels skip."""
@@ -60,8 +53,6 @@ def _unsupported_graph(gm) -> str | None:
         return bool(n.users) and all(u.target is torch.ops.aten.cat.default for u in n.users)
 
     for n in gm.graph.nodes:
-        if n.op == "call_function" and _random(n.target):  # before in-place: dropout's bernoulli_ is both
-            return f"random op {n.target} (the check against eager cannot draw the same numbers)"
         if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False):
             return f"in-place op {n.target} (mutation is not supported yet)"
         values = n.meta.get("val")

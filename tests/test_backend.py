@@ -56,6 +56,28 @@ def test_module_training_step_matches_eager():
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+def test_training_with_dropout_compiles_and_draws_what_eager_draws():
+    """Dropout stays an eager step in the forward graph (the check against eager seeds both
+    of its runs alike); with the same seed the step gives eager's output and gradients.
+    Before, the check drew other numbers and the whole forward ran in eager."""
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 8))
+    x = torch.randn(12, 16, requires_grad=True)
+    torch.manual_seed(5)
+    ref_out, ref_grads = _grads(model, x)
+    compiled = torch.compile(model, backend="eqfuse")
+    torch.manual_seed(5)
+    out, grads = _grads(compiled, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    forward, backward = eqfuse.backend.history
+    assert [f.node for f in forward.fallbacks] == ["native_dropout"] and forward.kernels, forward.explain()
+    assert backward.kernels and "note" not in backward.report, backward.explain()
+
+
 def test_validation_runs_without_aotautograds_modes(monkeypatch):
     """AOTAutograd calls the compilers with its FakeTensorMode and PyTorch's Python
     dispatcher on; the build's eager work (validation here) runs with neither, at eager's

@@ -358,6 +358,20 @@ def evaluate(plan: Plan, inputs, fallback_runner) -> list:
     return result
 
 
+RANDOM_SEED = 0
+
+
+@contextmanager
+def _drawing_from(seed: int):
+    """torch's generators seeded with ``seed``, and given back as they were after. A random
+    op (dropout, rand_like) runs in eager in the plan as in the graph, in the same order:
+    both runs of the check draw the same numbers, and the caller's stream is left alone."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def mismatch(plan: Plan, captured, fallback_runner) -> str | None:
     """None if the plan computes what the captured graph computes on the example inputs,
     else a one-line description of the first difference."""
@@ -369,8 +383,10 @@ def mismatch(plan: Plan, captured, fallback_runner) -> str | None:
     with torch.no_grad(), warnings.catch_warnings(), unset_fake_temporarily():
         warnings.simplefilter("ignore")  # the user saw eager's warnings when tracing
         # The original function, not the decomposed trace: a decomposition is checked too.
-        expected = captured.reference_outputs(inputs[:captured.num_user_inputs])
-        got = evaluate(plan, inputs, fallback_runner)
+        with _drawing_from(RANDOM_SEED):
+            expected = captured.reference_outputs(inputs[:captured.num_user_inputs])
+        with _drawing_from(RANDOM_SEED):
+            got = evaluate(plan, inputs, fallback_runner)
         # An eager op's own outputs are not eqfuse's to check, and may differ run to run
         # (the random-state outputs of attention on CUDA).
         eager = {i for i, o in enumerate(plan.outputs)
