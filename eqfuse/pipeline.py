@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 import time
 from contextlib import contextmanager
 
@@ -45,12 +46,15 @@ def _unsupported_graph(gm) -> str | None:
     """Why the graph as a whole runs in eager, where a node makes it so: in-place ops,
     sparse or other non-strided tensors, shapes known only at run time
     (boolean indexing, nonzero), and tensors with no elements (kernels index every dim of
-    what they compute; an empty one has nothing) but for those only concatenated (a
-    generation step's empty cache), which kernels skip."""
+    what they compute; an empty one has nothing) that a kernel computes or reads, but for a
+    concatenation's part (a generation step's empty cache), which its kernel skips."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
-    def only_concatenated(n) -> bool:
-        return bool(n.users) and all(u.target is torch.ops.aten.cat.default for u in n.users)
+    from .schema.from_fx import has_kernel_form
+
+    def in_kernels(n) -> bool:  # computed by eqfuse's kernels (a concatenation skips empty parts)
+        return (n.op == "call_function" and n.target not in (operator.getitem, torch.ops.aten.cat.default)
+                and has_kernel_form(n.target))
 
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False):
@@ -63,8 +67,11 @@ def _unsupported_graph(gm) -> str | None:
                 return f"{n.name} is a {v.layout} tensor (eqfuse kernels take strided ones)"
             if free_unbacked_symbols(v):
                 return f"{n.name} ({n.target}) has a shape known only at run time"
-            if statically_known_true(v.numel() == 0) and not only_concatenated(n):  # no guard on a symbol
-                return f"{n.name} has no elements (shape {tuple(v.shape)})"
+        # Only where a kernel computes it or reads it: eager ops return empty tensors they
+        # compute nothing into (flash attention's sequence offsets, saved for its backward)
+        empty = isinstance(values, torch.Tensor) and statically_known_true(values.numel() == 0)
+        if empty and n.users and (in_kernels(n) or any(in_kernels(u) for u in n.users)):
+            return f"{n.name} has no elements (shape {tuple(values.shape)})"
     return None
 
 

@@ -78,6 +78,34 @@ def test_training_with_dropout_compiles_and_draws_what_eager_draws():
     assert backward.kernels and "note" not in backward.report, backward.explain()
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_batch_norm_fuses_and_keeps_its_running_statistics(train):
+    """Batch norm is decomposed as layer norm is (it ran in eager as one op): statistics over
+    the batch, the normalisation and the running averages' update in kernels. Outputs,
+    gradients and the running statistics match eager's after two steps."""
+    import copy
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)).train(train)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="eqfuse")
+    x = torch.randn(12, 16, requires_grad=train)
+    with torch.set_grad_enabled(train):
+        for _ in range(2):
+            out, ref_out = compiled(x), reference(x)
+            if train:
+                out.square().sum().backward()
+                ref_out.square().sum().backward()
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip([*model.parameters(), *model.buffers()], [*reference.parameters(), *reference.buffers()]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+        if train:
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5)
+    assert eqfuse.backend.history and all(h.kernels and not h.fallbacks for h in eqfuse.backend.history), \
+        [h.explain() for h in eqfuse.backend.history]
+
+
 def test_validation_runs_without_aotautograds_modes(monkeypatch):
     """AOTAutograd calls the compilers with its FakeTensorMode and PyTorch's Python
     dispatcher on; the build's eager work (validation here) runs with neither, at eager's

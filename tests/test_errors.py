@@ -107,14 +107,23 @@ def test_a_random_op_runs_in_eager_in_its_place_and_the_rest_fuses():
     assert_matches(got, f(x))
 
 
-def test_an_empty_tensor_only_concatenated_still_compiles():
-    """A generation step's empty cache, concatenated with the new keys: the kernel skips it."""
-    def f(past, new):
+def test_an_empty_tensor_no_kernel_computes_still_compiles():
+    """A generation step's empty cache, concatenated with the new keys: the kernel skips it.
+    An empty tensor only an eager op reads (flash attention's sequence offsets, saved for
+    its backward, on a GPU) is the eager op's business: the rest still fuses."""
+    def cached(past, new):
         return torch.cat([past, new], 1) * 2
     past, new = torch.randn(2, 0, 4), torch.randn(2, 3, 4)
-    c = eqfuse.compile(f, (past, new))
+    c = eqfuse.compile(cached, (past, new))
     assert len(c.kernels) == 1 and not c.fallbacks
-    assert_matches(c(past, new), f(past, new))
+    assert_matches(c(past, new), cached(past, new))
+
+    def eager_reads(x, e):
+        return x.exp() * 2, torch.cumsum(e, 0)
+    x, e = torch.randn(5), torch.randn(0)
+    c = eqfuse.compile(eager_reads, (x, e))
+    assert len(c.kernels) == 1 and [fb.node for fb in c.fallbacks] == ["cumsum"], c.report
+    assert_matches(c(x, e), eager_reads(x, e))
 
 
 def test_saturation_limit_is_reported_and_result_still_correct():

@@ -43,6 +43,8 @@ def _make_decomposition_table() -> dict:
         aten.var.correction, aten.var_mean.correction, aten.logsumexp, aten.masked_fill,
         aten.hardtanh, aten.hardsigmoid, aten.hardswish, aten.mish, aten.softplus,
         aten.leaky_relu, aten.elu, aten.rms_norm, aten.tril, aten.triu,
+        aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
+        aten._native_batch_norm_legit, aten.native_batch_norm,
     ]))
     # The fused attention ops a backend picks (flash, memory-efficient, cuDNN) stay as they
     # are: graphs traced around them (AOTAutograd's) view their outputs with their strides

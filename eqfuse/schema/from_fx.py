@@ -195,7 +195,7 @@ class Translator:
             base = self.env[node.args[0]]
             self.env[node] = base[node.args[1]]
             return
-        handler = HANDLERS.get(node.target) or HANDLERS.get(getattr(node.target, "overloadpacket", None))
+        handler = _handler(node.target)
         try:
             if handler is None:
                 raise Unsupported(f"{_op_name(node.target)} has no kernel form in eqfuse yet")
@@ -386,6 +386,15 @@ def translate(captured) -> Translation:
 # and returns a Computed value (or a BufferView, for views of inputs).
 
 HANDLERS: dict[Any, Callable] = {}
+
+
+def _handler(target) -> Callable | None:
+    return HANDLERS.get(target) or HANDLERS.get(getattr(target, "overloadpacket", None))
+
+
+def has_kernel_form(target) -> bool:
+    """Whether eqfuse translates ``target`` into kernels (the rest runs in eager)."""
+    return _handler(target) is not None
 
 
 def handles(*targets):
