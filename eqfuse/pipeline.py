@@ -67,8 +67,8 @@ def _unsupported_graph(gm) -> str | None:
                 return f"{n.name} is a {v.layout} tensor (eqfuse kernels take strided ones)"
             if free_unbacked_symbols(v):
                 return f"{n.name} ({n.target}) has a shape known only at run time"
-        # Only where a kernel computes it or reads it: eager ops return empty tensors they
-        # compute nothing into (flash attention's sequence offsets, saved for its backward)
+        # Only where a kernel computes it or reads it: an eager op may return an empty
+        # tensor (an output it leaves unfilled) that only eager ops read, or nothing
         empty = isinstance(values, torch.Tensor) and statically_known_true(values.numel() == 0)
         if empty and n.users and (in_kernels(n) or any(in_kernels(u) for u in n.users)):
             return f"{n.name} has no elements (shape {tuple(values.shape)})"

@@ -109,8 +109,8 @@ def test_a_random_op_runs_in_eager_in_its_place_and_the_rest_fuses():
 
 def test_an_empty_tensor_no_kernel_computes_still_compiles():
     """A generation step's empty cache, concatenated with the new keys: the kernel skips it.
-    An empty tensor only an eager op reads (flash attention's sequence offsets, saved for
-    its backward, on a GPU) is the eager op's business: the rest still fuses."""
+    An empty tensor only an eager op reads (as an eager op may return one it leaves
+    unfilled) is the eager op's business: the rest still fuses."""
     def cached(past, new):
         return torch.cat([past, new], 1) * 2
     past, new = torch.randn(2, 0, 4), torch.randn(2, 3, 4)
