@@ -162,8 +162,8 @@ def main(argv=None):
         if core:
             long = bench_interleaved({k: contenders[k] for k in ("inductor", "eqfuse", "core")}, SUSTAINED_MS)
             s200 = {"torch_compile_us": round(long["inductor"], 1), "eqfuse_us": round(long["eqfuse"], 1),
-                         "cublas_matmul_alone_us": round(long["core"], 1),
-                         "eqfuse_over_cublas_matmul_alone": round(long["eqfuse"] / long["core"], 3)}
+                    "cublas_matmul_alone_us": round(long["core"], 1),
+                    "eqfuse_over_cublas_matmul_alone": round(long["eqfuse"] / long["core"], 3)}
         tf = lambda us: round(flops / (us * 1e-6) / 1e12, 1)  # noqa: E731
         row = {"workload": name, "eager_us": round(t_eager, 1), "torch_compile_us": round(t_ind, 1),
                "eqfuse_us": round(t_eq, 1), "eager_tflops": tf(t_eager), "torch_compile_tflops": tf(t_ind),

@@ -229,6 +229,12 @@ def _fake_like(node, value: torch.Tensor):
     return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
 
 
+def whole_storage(x: torch.Tensor) -> torch.Tensor:
+    """Every element of ``x``'s storage, as one flat tensor to fill ``x`` through: a view
+    with a stride of 0 overlaps itself, and torch refuses to write random values into it."""
+    return x.new_empty(0).set_(x.untyped_storage())
+
+
 def real_examples(tensors) -> list:
     """Real tensors to run the graph on: the examples themselves, or, where they are fake
     (AOTAutograd hands compilers FakeTensors), random tensors of the same shape, dtype,
@@ -246,9 +252,7 @@ def real_examples(tensors) -> list:
                 out.append(t)
                 continue
             x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            # Filled through its whole storage: a view with a zero stride (an expanded mask)
-            # overlaps itself, and torch refuses to write random values into such a view.
-            flat = x.new_empty(0).set_(x.untyped_storage())
+            flat = whole_storage(x)  # an expanded mask overlaps itself
             if t.dtype.is_floating_point:
                 flat.normal_(std=t.shape[-1] ** -0.5 if t.dim() >= 2 and t.shape[-1] > 0 else 1.0)
             elif t.dtype == torch.bool:

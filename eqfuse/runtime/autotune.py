@@ -70,7 +70,7 @@ def _save(key: str, cfg: dict) -> None:
 
 def _scratch_tensors(plan, example_inputs, constants) -> dict:
     """The graph's inputs, and scratch buffers for every other buffer, to launch kernels alone."""
-    from ..frontend.capture import real_examples
+    from ..frontend.capture import real_examples, whole_storage
     from ..schema import ops
 
     tensors = dict(zip([b.name for b in plan.inputs], real_examples(list(example_inputs) + list(constants))))
@@ -79,11 +79,8 @@ def _scratch_tensors(plan, example_inputs, constants) -> dict:
             # With the buffer's own strides: an output kept in eager's layout may span more
             # than its elements (q, k, v viewed from one [B, S, 3 * H * D] product), and a
             # contiguous scratch buffer was written past its end (illegal address on an H100).
-            # Filled through its whole storage, as capture.real_examples fills inputs: a layout
-            # with a stride of 0 (a gradient returned expanded) overlaps itself, and torch
-            # writes no random values into such a view.
             t = torch.empty_strided(b.shape, b.layout, dtype=ops.DTYPES[b.dtype], device="cuda")
-            memory = t.new_empty(0).set_(t.untyped_storage())
+            memory = whole_storage(t)  # a gradient returned expanded overlaps itself
             if ops.is_float(b.dtype):
                 memory.normal_()
             else:
