@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import operator
 import time
 from contextlib import contextmanager
 
@@ -43,35 +42,11 @@ def _real_tensors():
 
 
 def _unsupported_graph(gm) -> str | None:
-    """Why the graph as a whole runs in eager, where a node makes it so: in-place ops,
-    sparse or other non-strided tensors, shapes known only at run time
-    (boolean indexing, nonzero), and tensors with no elements (kernels index every dim of
-    what they compute; an empty one has nothing) that a kernel computes or reads, but for a
-    concatenation's part (a generation step's empty cache), which its kernel skips."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
-
-    from .schema.from_fx import has_kernel_form
-
-    def in_kernels(n) -> bool:  # computed by eqfuse's kernels (a concatenation skips empty parts)
-        return (n.op == "call_function" and n.target not in (operator.getitem, torch.ops.aten.cat.default)
-                and has_kernel_form(n.target))
-
+    """Why the graph as a whole runs in eager, where a node makes it so: in-place ops
+    (their order against the kernels reading the tensor they change is not kept yet)."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False):
             return f"in-place op {n.target} (mutation is not supported yet)"
-        values = n.meta.get("val")
-        for v in values if isinstance(values, (tuple, list)) else (values,):
-            if not isinstance(v, torch.Tensor):
-                continue
-            if v.layout != torch.strided:
-                return f"{n.name} is a {v.layout} tensor (eqfuse kernels take strided ones)"
-            if free_unbacked_symbols(v):
-                return f"{n.name} ({n.target}) has a shape known only at run time"
-        # Only where a kernel computes it or reads it: an eager op may return an empty
-        # tensor (an output it leaves unfilled) that only eager ops read, or nothing
-        empty = isinstance(values, torch.Tensor) and statically_known_true(values.numel() == 0)
-        if empty and n.users and (in_kernels(n) or any(in_kernels(u) for u in n.users)):
-            return f"{n.name} has no elements (shape {tuple(values.shape)})"
     return None
 
 

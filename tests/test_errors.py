@@ -71,24 +71,30 @@ def test_inplace_op_runs_whole_graph_in_eager():
     assert c.fallbacks and "in-place" in c.fallbacks[0].reason
 
 
-@pytest.mark.parametrize("f, make, reason", [
-    (lambda x: x.exp() + 1, lambda: (torch.randn(0, 7),), "has no elements (shape (0, 7))"),
-    (lambda x: x[:, :0].sum(-1) + x[:, 0], lambda: (torch.randn(3, 5),), "has no elements (shape (3, 0))"),
-    (lambda x: x[x > 0].sum() * 2, lambda: (torch.randn(8),), "has a shape known only at run time"),
-    (lambda x: x * 2, lambda: (torch.randn(4, 4, device="cpu").to_sparse(),), "sparse_coo tensor"),
+@pytest.mark.parametrize("f, make, steps, kernels", [
+    (lambda x: x.exp() + 1, lambda: (torch.randn(0, 7),),
+     {"exp": "has no elements (shape (0, 7)): an empty tensor", "add": "has no elements"}, 0),
+    (lambda x: x[:, :0].sum(-1) + x[:, 0], lambda: (torch.randn(3, 5),),
+     {"slice_1": "has no elements (shape (3, 0))", "sum_1": "reads slice_1, which has no elements"}, 1),
+    (lambda x: x[x > 0].sum() * 2, lambda: (torch.randn(8),),
+     {"index": "no kernel form", "sum_1": "reads index, a tensor whose shape is known only at run time"}, 2),
+    (lambda x: (x * 2).to_dense().exp(), lambda: (torch.randn(4, 4, device="cpu").to_sparse(),),
+     {"mul": "a torch.sparse_coo tensor (eqfuse kernels take strided ones)", "_to_dense": "no kernel form"}, 1),
 ], ids=["empty-input", "empty-slice", "boolean-mask", "sparse"])
-def test_graphs_kernels_cannot_run_fall_back_with_their_reason(f, make, reason, caplog):
-    """Each built an internal error, or failed the check against eager with torch's error
-    quoted at length, and ran in eager: now the graph runs in eager with the node and reason
-    in one line."""
+def test_nodes_kernels_cannot_run_are_eager_steps_and_the_rest_compiles(f, make, steps, kernels, caplog):
+    """Each sent the whole graph to eager (an internal error, a failed check, or a rule on
+    the whole graph): now only the node a kernel cannot compute (an empty tensor, a shape
+    known at run time, a sparse tensor) or read is a step of its own, with its reason in
+    one line, and the rest compiles."""
     inputs = make()
     c = eqfuse.compile(f, inputs)
-    note = c.report.get("note", "")
-    assert reason in note and "internal" not in note and "\n" not in note, note
-    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    got_steps = {fb.node: fb.reason for fb in c.fallbacks}
+    assert set(got_steps) == set(steps), c.explain()
+    for node, reason in steps.items():
+        assert reason in got_steps[node] and "\n" not in got_steps[node], got_steps
+    assert len(c.kernels) == kernels, c.explain()
+    assert not c.report.get("note") and not [r for r in caplog.records if "internal error" in r.getMessage()]
     got, want = c(*inputs), f(*inputs)
-    if want.is_sparse:
-        got, want = got.to_dense(), want.to_dense()
     assert_matches(got, want)
 
 

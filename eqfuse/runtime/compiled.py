@@ -359,5 +359,5 @@ def make_fallback_runner(step: FallbackStep) -> Callable:
     def run(bufs):
         out = step.target(*resolve(step.args, bufs), **resolve(step.kwargs, bufs))
         outs = list(out) if step.multi else [out]
-        return [o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs]
+        return [o.contiguous() if isinstance(o, torch.Tensor) and o.layout == torch.strided else o for o in outs]
     return run

@@ -25,7 +25,7 @@ import torch
 from ..errors import Unsupported
 from . import ops
 from .ops import dtype_name
-from .plan import contiguous_strides
+from .plan import BufArg, contiguous_strides
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -180,6 +180,10 @@ class Translator:
         if not isinstance(v, torch.Tensor):
             raise Unsupported(f"input {node.name} is not a tensor")
         name = f"in{index}"
+        if v.layout != torch.strided:  # only eager ops read it (sparse tensors)
+            self.inputs.append((name, tuple(v.shape), "opaque"))
+            self.env[node] = _Opaque(name)
+            return
         dt = self._dtype(v)
         self.inputs.append((name, tuple(v.shape), dt))
         self.env[node] = BufferView(name, tuple(v.shape), tuple(v.stride()), 0, dt, foldable=True)
@@ -196,10 +200,14 @@ class Translator:
             self.env[node] = base[node.args[1]]
             return
         handler = _handler(node.target)
+        out = _meta(node)
+        if handler is not None and _no_elements(out):
+            self._empty(node, out)
+            return
         try:
             if handler is None:
                 raise Unsupported(f"{_op_name(node.target)} has no kernel form in eqfuse yet")
-            out = _meta(node)
+            _check_kernel_operands(node)
             if isinstance(out, torch.Tensor):
                 self._dtype(out)
             args = [self._resolve(a) for a in node.args]
@@ -225,6 +233,20 @@ class Translator:
             return type(a)(self._resolve(x) for x in a)
         return a
 
+    def _empty(self, node, meta):
+        """A value with no elements: nothing to compute, so no kernel; the step that stands
+        for it allocates an empty tensor of its shape, dtype and strides. A concatenation
+        leaves it out (transformers' ``DynamicCache`` starts each layer's keys as
+        ``torch.tensor([])``); any other kernel reading it runs in eager."""
+        j = len(self.fallbacks)
+        name = f"ext{j}_0"
+        dt = self._dtype(meta)
+        shape = tuple(meta.shape)
+        self.fallbacks.append(Fallback(node.name, EmptyTensor(shape, tuple(meta.stride()), meta.dtype, str(meta.device)),
+                                       (), {}, f"has no elements (shape {shape}): an empty tensor, nothing to "
+                                       "compute", [name], False, [(shape, dt)]))
+        self.env[node] = BufferView(name, shape, tuple(meta.stride()), 0, dt, foldable=False)
+
     def _fallback(self, node, reason):
         j = len(self.fallbacks)
 
@@ -235,6 +257,8 @@ class Translator:
                     return BufRef(e.buf, e.shape, e.strides, e.offset)
                 if isinstance(e, list):  # a multi-result eager node passed whole
                     raise Unsupported("multi-result value passed on")
+                if isinstance(e, _Opaque):  # an eager op's result no kernel reads
+                    return BufArg(e.name)
                 name = f"fb_{j}_{path}"
                 self.egraph.let(name, e.term)
                 self.roots.append(name)
@@ -254,7 +278,7 @@ class Translator:
             names.append(name)
             if isinstance(m, torch.Tensor):
                 try:
-                    dt = self._dtype(m)
+                    dt = self._dtype(m) if _kernel_readable(m) else None
                 except Unsupported:
                     dt = None
                 # The buffer holds the result in eager's layout (see EagerCall).
@@ -303,10 +327,51 @@ def dense_strides(shape, strides) -> tuple:
 def _layout(meta) -> tuple | None:
     """(eager's strides, the dense strides in their order) of eager's value ``meta``;
     None where that order is the contiguous one (or ``meta`` is not a tensor)."""
-    if not isinstance(meta, torch.Tensor) or meta.dim() == 0:
+    if not isinstance(meta, torch.Tensor) or meta.dim() == 0 or not _kernel_readable(meta):
         return None
     strides = dense_strides(tuple(meta.shape), tuple(meta.stride()))
     return None if strides == contiguous_strides(tuple(meta.shape)) else (tuple(meta.stride()), strides)
+
+
+def _no_elements(meta) -> bool:
+    """Whether ``meta`` is a tensor with no elements."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return isinstance(meta, torch.Tensor) and statically_known_true(meta.numel() == 0)
+
+
+# Ops whose kernel form leaves out the parts with no elements
+_SKIPS_EMPTY_PARTS = {aten.cat.default, aten.slice_scatter.default}
+
+
+def _kernel_readable(meta) -> bool:
+    """Whether kernels can read the tensor ``meta``: strided, with a shape known now."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    return meta.layout == torch.strided and not free_unbacked_symbols(meta)
+
+
+def _check_kernel_operands(node) -> None:
+    """Raise Unsupported where ``node``'s value cannot be computed by a kernel: it is not
+    a strided tensor, its shape is known only at run time (boolean indexing, nonzero), or
+    a kernel would read a tensor with no elements (kernels index every dim of what they
+    read: a sum over an empty dim, a product over an empty K)."""
+    values = _meta(node)
+    for v in values if isinstance(values, (tuple, list)) else (values,):
+        if isinstance(v, torch.Tensor) and not _kernel_readable(v):
+            raise Unsupported(_unreadable(v))
+    for a in node.all_input_nodes:
+        m = _meta(a)
+        if not isinstance(m, torch.Tensor):
+            continue
+        if not _kernel_readable(m):
+            raise Unsupported(f"reads {a.name}, {_unreadable(m)}")
+        if _no_elements(m) and node.target not in _SKIPS_EMPTY_PARTS:
+            raise Unsupported(f"reads {a.name}, which has no elements (shape {tuple(m.shape)})")
+
+
+def _unreadable(meta) -> str:
+    if meta.layout != torch.strided:
+        return f"a {meta.layout} tensor (eqfuse kernels take strided ones)"
+    return "a tensor whose shape is known only at run time"
 
 
 @dataclass(frozen=True)
@@ -363,6 +428,22 @@ def _memory_order(x, layout):
     if tuple(x.stride()) != layout[1]:  # eager's own strides, not dense: make them dense
         x = torch.empty_strided(x.shape, layout[1], dtype=x.dtype, device=x.device).copy_(x)
     return x.permute(sorted(range(x.dim()), key=lambda d: (-layout[1][d], d)))
+
+
+@dataclass(frozen=True)
+class EmptyTensor:
+    """The step for a value with no elements: an empty tensor of its shape, strides,
+    dtype and device (no kernel, no data)."""
+    shape: tuple
+    strides: tuple
+    dtype: torch.dtype
+    device: str
+
+    def __call__(self):
+        return torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+
+    def __repr__(self):
+        return f"an empty {str(self.dtype).removeprefix('torch.')} tensor of shape {self.shape}"
 
 
 @dataclass
