@@ -113,6 +113,13 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         if not options.validate:
             problem = None
             break
+        if _fake(captured.example_tensors):
+            # Checked at the first call, on the inputs the user passes: values made up here
+            # may break an op's precondition (a token index past an embedding's rows, which
+            # on a GPU kills the process's CUDA context), and a check on them checks nothing
+            result["check"] = functools.partial(_first_call_check, plan, captured)
+            problem = None
+            break
         t0 = time.perf_counter()
         try:
             mismatch_ = mismatch(plan, captured, make_fallback_runner)
@@ -147,9 +154,19 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         source, infos = generate_module(plan, title, VERSION, configs)
     seconds["codegen"] = time.perf_counter() - t0 - tuning.get("seconds", 0.0)
     _finish(result, plan, source, infos, captured, example_inputs, parallel, tuning)
-    if key is not None:
+    if key is not None and "check" in result:  # stored once checked
+        result["check"] = functools.partial(_stored_if_checked, result["check"], key, result)
+    elif key is not None:
         _store_plan(key, result)
     return _rounded(result)
+
+
+def _stored_if_checked(check, key: str, result: dict, inputs) -> str | None:
+    """``check(inputs)``, and the plan stored under ``key`` where it passes."""
+    problem = check(inputs)
+    if not problem:
+        _store_plan(key, result)
+    return problem
 
 
 def _extract(captured, options, seconds: dict):
@@ -178,6 +195,25 @@ def _extract(captured, options, seconds: dict):
         _drop_egraph(tr)
     seconds["extract"] = time.perf_counter() - t0
     return plan, sat, ext_report
+
+
+def _fake(tensors) -> bool:
+    """Whether any of ``tensors`` is a FakeTensor (AOTAutograd hands compilers those)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return any(isinstance(t, FakeTensor) for t in tensors)
+
+
+def _first_call_check(plan, captured, inputs) -> str | None:
+    """Why ``plan`` is not the graph's on the real ``inputs`` of its first call (a
+    one-line reason), or None where it computes what the graph does."""
+    from .rewrite.validate import mismatch
+    from .runtime.compiled import make_fallback_runner
+
+    try:
+        problem = mismatch(plan, captured, make_fallback_runner, list(inputs) + list(captured.constants))
+    except Exception as e:  # noqa: BLE001 - a checker that cannot run has not checked
+        problem = one_line(e)
+    return problem and f"internal check failed, the extracted plan differs from the graph: {problem}"
 
 
 def plan_only(fn, example_inputs, options):

@@ -4,7 +4,7 @@ tensor; outputs compared piece by piece give the verdict of a whole comparison."
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, assert_matches
 
 import eqfuse
 from eqfuse.examples import ATTENTION_EXAMPLES
@@ -169,3 +169,61 @@ def test_half_precision_products_are_checked_on_tf32_and_float32_ones_as_the_use
         torch.backends.cuda.matmul.allow_tf32 = allowed
     assert seen == [tf32]
     torch.testing.assert_close(out.to(dtype), f(x, w), rtol=2e-2, atol=2e-2)
+
+
+def _embedding_model():
+    """Token types through an embedding of two rows, as BERT has them: an index made up
+    in 0..7 is out of its range (on a GPU that is a device-side assert, which kills the
+    process's CUDA context)."""
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(2, 8)
+    proj = torch.nn.Linear(8, 8)
+    return lambda types, x: proj(table(types) + x).relu()
+
+
+def test_a_graph_traced_with_fake_tensors_is_checked_on_its_first_real_inputs(monkeypatch):
+    """Dynamo hands the backend fake tensors; the check runs at the first call, on the
+    user's inputs, never on made-up ones that could break an op's precondition."""
+    import eqfuse.backend
+
+    checked = []
+    real_mismatch = validate.mismatch
+    monkeypatch.setattr(validate, "mismatch", lambda *a, **k: checked.append(a[3]) or real_mismatch(*a, **k))
+    f = _embedding_model()
+    types, x = torch.tensor([[0, 1, 1], [1, 0, 0]]), torch.randn(2, 3, 8)
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    compiled = torch.compile(f, backend="eqfuse")
+    with torch.no_grad():
+        got = compiled(types, x)
+        assert_matches(got, f(types, x))
+    [graph] = eqfuse.backend.history
+    assert graph.kernels and not graph.report.get("note"), graph.explain()
+    assert [fb.node for fb in graph.fallbacks] == ["embedding"], graph.explain()
+    assert len(checked) == 1 and any(x is types for x in checked[0])
+    assert "validate" in graph.report["seconds"]
+
+
+def test_a_plan_that_fails_its_first_call_check_is_built_again_from_the_real_inputs(monkeypatch):
+    """Where the plan differs from the graph on the first real inputs, the graph is built
+    again with them (checked at once), and the call returns the graph's values."""
+    import eqfuse.backend
+    from eqfuse import pipeline
+
+    real_check = pipeline._first_call_check
+    calls = []
+
+    def failing_once(plan, captured, inputs):
+        calls.append(len(calls))
+        return "a made-up difference" if len(calls) == 1 else real_check(plan, captured, inputs)
+    monkeypatch.setattr(pipeline, "_first_call_check", failing_once)
+    f = _embedding_model()
+    types, x = torch.tensor([[1, 1, 0]]), torch.randn(1, 3, 8)
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    with torch.no_grad():
+        got = torch.compile(f, backend="eqfuse")(types, x)
+        assert_matches(got, f(types, x))
+    [graph] = eqfuse.backend.history
+    assert calls == [0] and graph.kernels, graph.explain()
+    assert graph.report["retries"][0] == "a made-up difference"

@@ -372,14 +372,13 @@ def _drawing_from(seed: int):
         yield
 
 
-def mismatch(plan: Plan, captured, fallback_runner) -> str | None:
-    """None if the plan computes what the captured graph computes on the example inputs,
+def mismatch(plan: Plan, captured, fallback_runner, inputs=None) -> str | None:
+    """None if the plan computes what the captured graph computes on ``inputs`` (the
+    graph's placeholders' tensors: by default the example inputs, which must be real),
     else a one-line description of the first difference."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from ..frontend.capture import real_examples
-
-    inputs = real_examples(captured.example_tensors)
+    inputs = list(captured.example_tensors if inputs is None else inputs)
     with torch.no_grad(), warnings.catch_warnings(), unset_fake_temporarily():
         warnings.simplefilter("ignore")  # the user saw eager's warnings when tracing
         # The original function, not the decomposed trace: a decomposition is checked too.

@@ -190,20 +190,28 @@ class _Variant:
     def __post_init__(self):
         from ..pipeline import build
 
+        self._adopt(self.example_inputs)
+
+    def _adopt(self, inputs) -> None:
+        """The build for ``inputs``, ready to run (or to finish at the first call)."""
+        from ..pipeline import build
+
         start = time.perf_counter()
         try:
-            result = build(self.fn, self.example_inputs, self.options)
+            result = build(self.fn, inputs, self.options)
         except EqfuseError:
             raise
         except Exception as e:  # a bug in eqfuse must not stop the user's program
             result = _internal_error(e)
         self._complete = result.pop("complete", None)
+        self._check = result.pop("check", None)
         self.__dict__.update(result)
         self.report["seconds"]["total"] = round(time.perf_counter() - start, 4)
         self.graphs = None
         if self.whole_graph_eager:
             self._run_eager()
-        elif self._complete is not None:  # kernels still compiling (pipeline._start_kernels)
+        elif self._complete is not None or self._check is not None:
+            # kernels still compiling (pipeline._start_kernels), or the plan to check on real inputs
             self.run, self.run_boxed = self._first_run, self._first_run_boxed
         else:
             self._ready()
@@ -216,12 +224,27 @@ class _Variant:
         self.run = self.fn
         self.run_boxed = _boxed(self.fn)
 
-    def _first(self):
-        """The build's last step, at the first call: the kernels the pool compiled in the
-        meantime, each launched once (pipeline._complete)."""
+    def _first(self, inputs):
+        """The build's last steps, at the first call: the plan checked against the graph
+        on the call's real ``inputs`` where the build had only fake ones (then, where it
+        differs, built again with them, which checks it at once), and the kernels the
+        pool compiled in the meantime, each launched once (pipeline._complete)."""
         from .autotune import NoRunnableConfig
 
+        check, self._check = self._check, None
+        if check is not None:
+            t0 = time.perf_counter()
+            problem = check(inputs)
+            self.report["seconds"]["validate"] = round(time.perf_counter() - t0, 4)
+            if problem:
+                log.warning("eqfuse: %s; building the graph again", problem)
+                self._adopt(tuple(inputs))
+                self.report.setdefault("retries", []).insert(0, problem)
+                if self._complete is None:
+                    return
         complete, self._complete = self._complete, None
+        if complete is None:
+            return self._ready()
         try:
             self.__dict__.update(complete())
             return self._ready()
@@ -235,11 +258,11 @@ class _Variant:
         self._run_eager()
 
     def _first_run(self, *inputs):
-        self._first()
+        self._first(inputs)
         return self.run(*inputs)
 
     def _first_run_boxed(self, args: list):
-        self._first()
+        self._first(args)
         return self.run_boxed(args)
 
     def _runner(self) -> Callable:
