@@ -146,3 +146,26 @@ def test_inputs_on_several_devices_at_call_time_run_in_eager():
     c = eqfuse.compile(f, (x, y))
     out = c(x.to("meta"), y)  # a 0-dim CPU tensor beside a tensor elsewhere: eager, no error
     assert out.device.type == "meta" and out.shape == (4, 4)
+
+
+def test_a_kernel_that_fails_at_its_first_launch_leaves_the_graph_in_eager(monkeypatch, caplog):
+    """A generated kernel that Triton (or its interpreter) refuses at its first launch
+    fails no user program: that call and every later one run the graph in eager, and
+    the reason is reported (a decode step's attention kernel once failed so in the
+    interpreter, and generate() raised)."""
+    from eqfuse.runtime.launch import KernelLauncher
+
+    def f(x):
+        return (x.exp() * 2).sum(-1)
+    x = torch.randn(4, 8)
+    c = eqfuse.compile(f, (x,))
+    assert c.kernels
+
+    def refused(self, *args, **kwargs):
+        raise RuntimeError("made-up launch failure\nwith more lines")
+    monkeypatch.setattr(KernelLauncher, "__call__", refused)
+    assert_matches(c(x), f(x))
+    [fb] = c.fallbacks
+    assert fb.node == "<graph>" and "RuntimeError: made-up launch failure" in fb.reason and "\n" not in fb.reason
+    assert any("made-up launch failure" in r.getMessage() for r in caplog.records)
+    assert_matches(c(x * 2), f(x * 2))

@@ -60,6 +60,11 @@ MATMUL_FINALISTS = 6  # tile configurations the GPU autotuner times, best modell
 MATMUL_FINALISTS_TMA = 8  # the same where each tile shape comes in two forms
 
 
+
+# Axes a program takes one value of (its batch index, ``tl.program_id``): an offset along
+# them alone is a scalar address, not a block of them
+PROGRAM_AXES = frozenset("b")
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -506,9 +511,10 @@ class KernelWriter:
         axes = off.axes | (env.guard.axes if env.guard is not None else frozenset())
         m = self.mask(axes, env.guard)
         ptr = f"{buf} + {off.expr}" if off.expr != "0" else buf
-        if m and axes and not off.axes:
+        if m and axes - PROGRAM_AXES and not off.axes - PROGRAM_AXES:
             # One address for the whole block under a block mask (a one-element buffer read
-            # in one branch of a concatenation): Triton takes no block mask for a scalar
+            # in one branch of a concatenation; a decode step's position, read once per
+            # batch row for its rotary embedding): Triton takes no block mask for a scalar
             # pointer, so the mask is applied after the read (found by random graphs)
             text = f"tl.where({m}, tl.load({ptr}), 0)"
         else:

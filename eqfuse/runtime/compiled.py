@@ -218,7 +218,34 @@ class _Variant:
 
     def _ready(self):
         self.graphs = self._graph_replayer()
-        self.run = self._runner()
+        run = self._runner()
+        run_boxed = self.run_boxed
+
+        # The first call is watched: a kernel that fails to compile or launch (the
+        # interpreter refusing a construct, a Triton error) runs the graph in eager for
+        # good, with the reason, instead of failing the user's program
+        def first_run(*inputs):
+            self.run, self.run_boxed = run, run_boxed
+            return self._watched(run, inputs, inputs, boxed=False)
+
+        def first_run_boxed(args: list):
+            self.run, self.run_boxed = run, run_boxed
+            return self._watched(run_boxed, tuple(args), args, boxed=True)
+        self.run, self.run_boxed = first_run, first_run_boxed
+
+    def _watched(self, run: Callable, inputs: tuple, args, boxed: bool):
+        """``run`` called with ``args``; where it raises, the graph in eager from then on,
+        called with ``inputs``."""
+        try:
+            return run(args) if boxed else run(*args)
+        except Exception as e:  # noqa: BLE001 - a kernel eqfuse made must not stop the user's program
+            reason = f"its first launch failed: {one_line(e)}"
+            log.warning("eqfuse: graph runs in eager: %s", reason)
+        eager = _eager_result(reason)
+        self.__dict__.update(whole_graph_eager=True, fallbacks=eager["fallbacks"])
+        self.report["note"] = eager["report"]["note"]
+        self._run_eager()
+        return self.fn(*inputs)
 
     def _run_eager(self):
         self.run = self.fn
