@@ -351,10 +351,11 @@ def _load(source: str, device_type: str):
 def _runnable(plan, source: str, infos: list, module) -> dict:
     """The result's fields that run the plan: its module and kernels, its eager steps."""
     from .runtime.compiled import FallbackInfo, make_fallback_runner
+    from .schema.from_fx import step_op
 
     return dict(kernels=infos, source=source, plan=plan, module=module, launch=module.call_boxed,
                 fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
-                fallbacks=[FallbackInfo(s.node, s.reason) for s in plan.fallbacks])
+                fallbacks=[FallbackInfo(s.node, s.reason, step_op(s.target)) for s in plan.fallbacks])
 
 
 # The report's parts a plan cache entry keeps: what explain() prints of the build that made it.

@@ -189,3 +189,24 @@ def main_output(out) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             return value
     raise TypeError(f"no loss, logits or last hidden state in {type(out).__name__}")
+
+
+def training_step(model: torch.nn.Module, kwargs: dict, seed: int = 0):
+    """One training step's loss and gradients (``labels=`` in ``kwargs``, then
+    ``loss.backward()``), with the random stream seeded (dropout draws alike in eager and
+    compiled runs): (loss, {parameter name: gradient})."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = model(**kwargs).loss
+    loss.backward()
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper names them apart
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 3) -> torch.Tensor:
+    """Greedy decoding of ``new_tokens`` tokens (``model.generate``, KV cache on)."""
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=pad if pad is not None else model.config.eos_token_id)

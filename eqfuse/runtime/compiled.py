@@ -25,6 +25,7 @@ log = logging.getLogger("eqfuse")
 class FallbackInfo:
     node: str
     reason: str
+    op: str = ""  # the op it runs ("embedding", "cumsum"; "empty" for a tensor with no elements)
 
     def __str__(self):
         return f"{self.node}: {self.reason}"
@@ -188,8 +189,6 @@ class _Variant:
         return self.plan.library_calls if self.plan is not None else []
 
     def __post_init__(self):
-        from ..pipeline import build
-
         self._adopt(self.example_inputs)
 
     def _adopt(self, inputs) -> None:

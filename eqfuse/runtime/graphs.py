@@ -42,6 +42,7 @@ RECORDABLE_EAGER_OPS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
     "embedding", "index_select", "gather",
+    "empty",  # a tensor with no elements (from_fx.EmptyTensor), from the caching allocator
 })
 
 _CONSTANTS = (type(None), bool, int, float)
@@ -91,11 +92,15 @@ def unrecordable(steps) -> str | None:
     """Why a graph with these eager steps (plan.FallbackStep) cannot be recorded, or None."""
     from torch.fx.operator_schemas import normalize_function
 
+    from ..schema.from_fx import step_op
+
     for step in steps:
-        target = getattr(step.target, "target", step.target)  # from_fx.EagerCall wraps the op
-        name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+        name = step_op(step.target)
         if name not in RECORDABLE_EAGER_OPS:
-            return f"its eager step {step.node} ({name or target}) may wait for the GPU or allocate outside a recording"
+            return f"its eager step {step.node} ({name}) may wait for the GPU or allocate outside a recording"
+        if name == "empty":
+            continue
+        target = getattr(step.target, "target", step.target)  # from_fx.EagerCall wraps the op
         arguments = normalize_function(target, step.args, step.kwargs, normalize_to_only_use_kwargs=True)
         if arguments.kwargs.get("dropout_p"):
             return f"its eager step {step.node} draws random numbers (dropout)"

@@ -242,9 +242,9 @@ class Translator:
         name = f"ext{j}_0"
         dt = self._dtype(meta)
         shape = tuple(meta.shape)
-        self.fallbacks.append(Fallback(node.name, EmptyTensor(shape, tuple(meta.stride()), meta.dtype, str(meta.device)),
-                                       (), {}, f"has no elements (shape {shape}): an empty tensor, nothing to "
-                                       "compute", [name], False, [(shape, dt)]))
+        target = EmptyTensor(shape, tuple(meta.stride()), meta.dtype, str(meta.device))
+        reason = f"has no elements (shape {shape}): an empty tensor, nothing to compute"
+        self.fallbacks.append(Fallback(node.name, target, (), {}, reason, [name], False, [(shape, dt)]))
         self.env[node] = BufferView(name, shape, tuple(meta.stride()), 0, dt, foldable=False)
 
     def _fallback(self, node, reason):
@@ -456,6 +456,16 @@ class _Opaque:
 
 def _op_name(target) -> str:
     return getattr(target, "__name__", None) or str(target)
+
+
+def step_op(target) -> str:
+    """The name of the op an eager step runs (its overload packet's: ``embedding``), or
+    ``empty`` for a tensor with no elements."""
+    if isinstance(target, EmptyTensor):
+        return "empty"
+    target = getattr(target, "target", target)  # EagerCall wraps the op
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or _op_name(target)
 
 
 def translate(captured) -> Translation:

@@ -1,0 +1,227 @@
+"""The model zoo on a GPU: Hugging Face transformers families at published sizes (a few
+layers each), eager vs torch.compile vs eqfuse in one process.
+
+    python benchmarks/zoo.py [--families llama gpt2 ...] [--modes infer train] [--layers 2]
+                             [--warm] [--out results.json]
+
+Each family (eqfuse/zoo.py: random weights, bf16) runs as its users run it: default
+arguments (SDPA attention, the KV cache on) for inference (the prompt: decoders at batch
+4 x 1024 tokens, encoders and encoder-decoders at 8 x 512, ViT at 32 images), and a
+training step (``labels=``, ``loss.backward()``, train mode) at the same sizes. Reported
+per family, mode and contender, as Inductor's dashboard reports them: whether the
+compiled output matches eager's (the pass rate), the median time of a call
+(triton.testing.do_bench in interleaved rounds, L2 flushed), the speedups over eager and
+over torch.compile, compile seconds cold (the first call; each contender's caches start
+empty) and, with ``--warm``, warm (compiled again after torch._dynamo.reset), the memory
+peak of a call, and for eqfuse the kernels and eager steps of its graphs; with
+``--profile``, each contender's GPU kernels per call (torch.profiler), most time first. eqfuse compiles
+with autotune off (the tile model's first choice) unless ``--autotune``. The last lines
+printed are the summary table and the geomeans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+import traceback
+
+for var in ("EQFUSE_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):  # cold means cold
+    os.environ.setdefault(var, tempfile.mkdtemp(prefix=var.lower() + "-"))
+
+import torch  # noqa: E402
+from common import bench_interleaved, save_results  # noqa: E402
+
+import eqfuse.backend  # noqa: E402
+from eqfuse import zoo  # noqa: E402
+
+# (batch, tokens) by the kind of model; ViT: (images, -)
+SIZES = {zoo.DECODER: (4, 1024), zoo.ENCODER: (8, 512), zoo.SEQ2SEQ: (8, 512), zoo.VISION: (32, 0)}
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
+                "decoder_layers")
+# The output of a compiled call against eager's, relative to its largest magnitude (bf16)
+PASS_RTOL = 5e-2
+
+
+def published(family: zoo.Family, layers: int | None) -> dict:
+    sizes = dict(family.published)
+    if layers:
+        sizes.update({f: layers for f in LAYER_FIELDS})
+    return sizes
+
+
+def contenders(autotune: bool) -> dict:
+    return {"eager": None, "torch.compile": {},
+            "eqfuse": {"backend": "eqfuse", "options": {"autotune": autotune}}}
+
+
+def step_fn(model, kwargs: dict, training: bool):
+    if training:
+        def train():
+            model.zero_grad(set_to_none=True)
+            loss = model(**kwargs).loss
+            loss.backward()
+            return loss
+        return train
+
+    def infer():
+        with torch.no_grad():
+            return zoo.main_output(model(**kwargs))
+    return infer
+
+
+def timed_first(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out.detach().float()
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return round(torch.cuda.max_memory_allocated() / 2**20, 1)
+
+
+def eqfuse_graphs() -> dict:
+    graphs = list(eqfuse.backend.history)
+    steps = sorted({f"{f.op}" for g in graphs for f in g.fallbacks if f.op != "empty"})
+    whole = [f.reason for g in graphs for f in g.fallbacks if f.node == "<graph>"]
+    return {"graphs": len(graphs), "kernels": sum(len(g.kernels) for g in graphs),
+            "cublas_calls": sum(len(g.library_calls) for g in graphs), "eager_ops": steps,
+            "graphs_wholly_eager": whole}
+
+
+def run_family(family: zoo.Family, mode: str, args) -> dict:
+    training = mode == "train"
+    batch, seq = SIZES[family.kind]
+    model = zoo.family_model(family, train=training, sizes=published(family, args.layers), dtype=torch.bfloat16,
+                             device="cuda")
+    if training:
+        model.train()
+    kwargs = zoo.inputs(family, model, batch=batch, seq=seq, labels=training)
+    row = {"family": family.name, "mode": mode, "model": family.train_model if training else family.model,
+           "batch": batch, "seq": seq, "layers": args.layers,
+           "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "contenders": {}}
+    fns, reference = {}, None
+    for name, how in contenders(args.autotune).items():
+        entry = row["contenders"][name] = {}
+        try:
+            torch._dynamo.reset()
+            eqfuse.backend.history.clear()
+            compiled = model if how is None else torch.compile(model, **how)
+            fn = step_fn(compiled, kwargs, training)
+            torch.manual_seed(0)
+            seconds, out = timed_first(fn)
+            if how is None:
+                reference = out
+            else:
+                entry["compile_s_cold"] = round(seconds, 2)
+                err = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
+                entry["max_rel_err"] = float(f"{err:.3g}")
+                entry["pass"] = bool(err <= PASS_RTOL)
+            if name == "eqfuse":
+                entry.update(eqfuse_graphs())
+            if args.warm and how is not None:
+                torch._dynamo.reset()
+                eqfuse.backend.history.clear()
+                warm = step_fn(torch.compile(model, **how), kwargs, training)
+                entry["compile_s_warm"] = round(timed_first(warm)[0], 2)
+                fn = warm
+            entry["peak_mib"] = peak_mib(fn)
+            fns[name] = fn
+        except Exception as e:  # noqa: BLE001 - a contender that fails is reported, not fatal
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            entry["pass"] = False
+            traceback.print_exc()
+    if args.profile:
+        row["profile"] = {name: kernel_table(fn) for name, fn in fns.items()}
+    if not args.no_timing and fns:
+        us = bench_interleaved(fns)
+        for name, t in us.items():
+            row["contenders"][name]["us"] = round(t, 1)
+        for name in us:
+            c = row["contenders"][name]
+            c["speedup_vs_eager"] = round(us["eager"] / us[name], 3) if "eager" in us else None
+            if "torch.compile" in us:
+                c["speedup_vs_torch_compile"] = round(us["torch.compile"] / us[name], 3)
+    del model, fns
+    torch.cuda.empty_cache()
+    return row
+
+
+def kernel_table(fn, calls: int = 3, top: int = 12) -> list:
+    """The GPU kernels of ``calls`` calls (torch.profiler), most time first: [name, us per call, count per call]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / calls
+    rows = [[e.key[:90], round(e.device_time_total / calls, 1), e.count // calls] for e in events[:top]]
+    return [["<all kernels>", round(total, 1), sum(e.count for e in events) // calls]] + rows
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return round(math.exp(sum(math.log(x) for x in xs) / len(xs)), 3) if xs else None
+
+
+def summary(rows: list) -> dict:
+    out = {}
+    for mode in sorted({r["mode"] for r in rows}):
+        mine = [r["contenders"].get("eqfuse", {}) for r in rows if r["mode"] == mode]
+        out[mode] = {"families": len(mine), "pass_rate": round(sum(bool(c.get("pass")) for c in mine) / len(mine), 3),
+                     "geomean_vs_eager": geomean([c.get("speedup_vs_eager") for c in mine]),
+                     "geomean_vs_torch_compile": geomean([c.get("speedup_vs_torch_compile") for c in mine])}
+    return out
+
+
+def table(rows: list) -> str:
+    lines = [f"{'family':10} {'mode':5} {'eager us':>9} {'inductor':>9} {'eqfuse':>9} {'vs ind':>6} {'vs eag':>6} "
+             f"{'cold s ind/eqf':>14} {'kern':>4} pass  eager ops"]
+    for r in rows:
+        c = r["contenders"]
+        e, i, q = c.get("eager", {}), c.get("torch.compile", {}), c.get("eqfuse", {})
+        lines.append(f"{r['family']:10} {r['mode']:5} {e.get('us', '-'):>9} {i.get('us', '-'):>9} "
+                     f"{q.get('us', '-'):>9} "
+                     f"{q.get('speedup_vs_torch_compile', '-'):>6} {q.get('speedup_vs_eager', '-'):>6} "
+                     f"{str(i.get('compile_s_cold', '-')) + '/' + str(q.get('compile_s_cold', '-')):>14} "
+                     f"{q.get('kernels', '-'):>4} {'yes ' if q.get('pass') else 'NO  '} "
+                     f"{','.join(q.get('eager_ops', [])) or q.get('error', '')}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", nargs="+", default=[f.name for f in zoo.FAMILIES])
+    ap.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train"])
+    ap.add_argument("--layers", type=int, default=2, help="layers of each model (0: as published)")
+    ap.add_argument("--warm", action="store_true", help="also time a second compile with warm caches")
+    ap.add_argument("--autotune", action="store_true")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="the kernels of each contender's call (torch.profiler)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = []
+    for mode in args.modes:
+        for name in args.families:
+            t0 = time.perf_counter()
+            rows.append(run_family(zoo.BY_NAME[name], mode, args))
+            print(f"{name} {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
+            save_results(args.out, rows, summary=summary(rows), layers=args.layers, autotune=args.autotune)
+    print(table(rows))
+    print(summary(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The model zoo (eqfuse/zoo.py): Hugging Face transformers families, tiny configs, random
+weights, run as their users run them (default arguments: SDPA attention, the KV cache
+on) through ``torch.compile(model, backend="eqfuse")``, against eager.
+
+Each test asserts that no graph ran wholly in eager, that each has kernels, and which ops
+ran as eager steps: only ops with no kernel form yet (a new one is a regression; one that
+goes away is progress, to be written down here)."""
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import eqfuse.backend
+from eqfuse import zoo
+
+# Per family, the ops that run as eager steps (ops with no kernel form yet). "empty" (a
+# tensor with no elements: the cache's first keys) is an allocation, not an op, and is
+# not listed.
+EAGER_OPS = {
+    "llama": {"embedding"}, "qwen2": {"embedding"}, "mistral": {"embedding"}, "gpt2": {"embedding"},
+    "phi3": {"embedding"}, "gemma2": {"embedding"}, "gpt_neox": {"embedding"},
+    "opt": {"embedding", "cumsum"},
+    "mixtral": {"embedding", "cumsum", "div", "empty_permuted", "grouped_mm_fallback", "histc", "index",
+                "index_put", "sort", "topk"},
+    "bert": {"embedding", "gather", "index"}, "roberta": {"embedding", "gather", "index", "cumsum"},
+    "t5": {"embedding", "index"}, "bart": {"embedding", "index"},
+    "vit": {"convolution"},
+}
+# Training graphs: the backward's ops too (an embedding's backward, ...)
+TRAIN_EAGER_OPS = {
+    "llama": set(), "gpt2": set(), "bert": set(), "t5": set(), "mixtral": set(),
+}
+TRAINED = ["llama", "gpt2", "bert", "t5", "mixtral"]
+DECODERS = [f.name for f in zoo.FAMILIES if f.kind == zoo.DECODER]
+
+
+def _compiled_graphs() -> list:
+    return list(eqfuse.backend.history)
+
+
+def _assert_compiled(graphs, eager_ops: set | None):
+    """Every graph compiled with kernels, none wholly in eager; the eager steps' ops are
+    ``eager_ops`` (None: not checked)."""
+    assert graphs, "no graph reached eqfuse"
+    explained = "\n".join(g.explain() for g in graphs)
+    for g in graphs:
+        assert not any(f.node == "<graph>" for f in g.fallbacks), explained
+        assert g.kernels, explained
+    if eager_ops is not None:
+        ops = {f.op for g in graphs for f in g.fallbacks} - {"empty"}
+        assert ops == eager_ops, f"eager steps {sorted(ops)}, expected {sorted(eager_ops)}\n{explained}"
+
+
+def _close(got, want, rtol=1e-4, what=""):
+    """Within ``rtol`` of the reference, relative to its largest magnitude (sums of
+    products round with the largest term)."""
+    scale = want.abs().max().item() if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", [f.name for f in zoo.FAMILIES])
+def test_inference_with_default_arguments_compiles_and_matches_eager(name):
+    family = zoo.BY_NAME[name]
+    model = zoo.family_model(family, device=DEVICE)
+    kwargs = zoo.inputs(family, model)
+    with torch.no_grad():
+        want = zoo.main_output(model(**kwargs))
+        got = zoo.main_output(torch.compile(model, backend="eqfuse")(**kwargs))
+    _close(got, want, what=name)
+    _assert_compiled(_compiled_graphs(), EAGER_OPS[name])
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_a_training_step_matches_eager_loss_and_gradients(name):
+    """``labels=`` and ``loss.backward()``, in train mode (dropout draws alike under one seed)."""
+    family = zoo.BY_NAME[name]
+    model = zoo.family_model(family, train=True, device=DEVICE).train()
+    kwargs = zoo.inputs(family, model, labels=True)
+    want_loss, want_grads = zoo.training_step(model, kwargs)
+    got_loss, got_grads = zoo.training_step(torch.compile(model, backend="eqfuse"), kwargs)
+    _close(got_loss, want_loss, what=f"{name} loss")
+    assert set(got_grads) == set(want_grads)
+    # A gradient that is zero in exact arithmetic is rounding noise at the scale of the
+    # terms it sums: a floor of 1e-2 of the largest gradient's magnitude
+    floor = 1e-2 * max(g.abs().max().item() for g in want_grads.values())
+    for n, g in want_grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-4 * max(g.abs().max().item(), floor),
+                                   msg=lambda m, n=n: f"{name} gradient of {n}: {m}")
+    graphs = _compiled_graphs()
+    assert len(graphs) >= 2, "no backward graph was compiled"
+    _assert_compiled(graphs, None)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_generate_gives_eager_tokens(name):
+    """``model.generate`` with the forward compiled (as transformers' docs compile it):
+    the prompt, then a step per new token against the growing cache."""
+    family = zoo.BY_NAME[name]
+    model = zoo.family_model(family, device=DEVICE)
+    prompt = zoo.inputs(family, model, seq=5)["input_ids"]
+    want = zoo.generate(model, prompt)
+    model.forward = torch.compile(model.forward, backend="eqfuse")
+    got = zoo.generate(model, prompt)
+    assert torch.equal(got, want), (got, want)
+    _assert_compiled(_compiled_graphs(), None)
+
+
+def test_any_model_class_is_built_tiny_from_its_config_class():
+    """``zoo.build`` shrinks any class's config by field name: a family is one line."""
+    model = zoo.build("Qwen3ForCausalLM")
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.vocab_size) == (64, 2, 4, 96)
+    assert sum(p.numel() for p in model.parameters()) < 200_000
+    gpt2 = zoo.build("GPT2LMHeadModel").config
+    assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_head) == (64, 2, 4)  # through its attribute_map
