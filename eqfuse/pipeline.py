@@ -353,9 +353,11 @@ def _runnable(plan, source: str, infos: list, module) -> dict:
     from .runtime.compiled import FallbackInfo, make_fallback_runner
     from .schema.from_fx import step_op
 
+    ops = [(s, step_op(s.target)) for s in plan.fallbacks]
     return dict(kernels=infos, source=source, plan=plan, module=module, launch=module.call_boxed,
                 fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
-                fallbacks=[FallbackInfo(s.node, s.reason, step_op(s.target)) for s in plan.fallbacks])
+                fallbacks=[FallbackInfo(s.node, s.reason, op) for s, op in ops if op != "empty"],
+                empty_tensors=[s.node for s, op in ops if op == "empty"])
 
 
 # The report's parts a plan cache entry keeps: what explain() prints of the build that made it.

@@ -35,7 +35,7 @@ def _check(fn, inputs, kernels: int, calls: list):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m, k, n", [(17, 100, 33), (1, 257, 17), (100, 1, 9)])
+@pytest.mark.parametrize("m, k, n", [(17, 104, 40), (1, 256, 24), (100, 1, 8)])
 def test_plain_product_is_one_call(cublas, dtype, m, k, n):
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     compiled = _check(torch.matmul, [a, b], kernels=0, calls=["mm"])
@@ -45,9 +45,9 @@ def test_plain_product_is_one_call(cublas, dtype, m, k, n):
 
 
 @pytest.mark.parametrize("a_shape, b_shape, fn", [
-    ((17, 40), (33, 40), lambda x, w: x @ w.T),  # B column-major
-    ((40, 17), (40, 33), lambda xt, w: xt.T @ w),  # A column-major
-    ((40, 17), (33, 40), lambda xt, wt: xt.T @ wt.T),  # both
+    ((17, 40), (32, 40), lambda x, w: x @ w.T),  # B column-major
+    ((40, 16), (40, 32), lambda xt, w: xt.T @ w),  # A column-major
+    ((40, 16), (32, 40), lambda xt, wt: xt.T @ wt.T),  # both
 ], ids=["b", "a", "both"])
 def test_transposed_operands_are_read_as_stored(cublas, a_shape, b_shape, fn):
     x, w = torch.randn(a_shape, dtype=torch.float16), torch.randn(b_shape, dtype=torch.float16)
@@ -56,7 +56,7 @@ def test_transposed_operands_are_read_as_stored(cublas, a_shape, b_shape, fn):
 
 
 def test_batched_product_is_bmm(cublas):
-    q, k = torch.randn(2, 3, 17, 16), torch.randn(2, 3, 19, 16)
+    q, k = torch.randn(2, 3, 17, 16), torch.randn(2, 3, 20, 16)
     _check(lambda q, k: q @ k.transpose(-1, -2), [q, k], kernels=0, calls=["bmm"])
 
 
@@ -70,20 +70,20 @@ def test_product_under_a_reshape_writes_its_buffer_through_a_view(cublas):
 def test_product_under_a_permute_writes_its_buffer_transposed():
     """A kernel storing (a @ b)^T contiguous: cuBLAS writes the product column-major."""
     from eqfuse.schema.plan import Buffer, KernelSpec, PNode
-    a = PNode("load", ("a", (20, 1), 0), (), (17, 20), "float32")
-    b = PNode("load", ("b", (9, 1), 0), (), (20, 9), "float32")
-    dot = PNode("dot", (), (a, b), (17, 9), "float32")
-    root = PNode("permute", ((1, 0),), (dot,), (9, 17), "float32")
-    buffers = {"out": Buffer("out", (9, 17), "float32", "temp")}
+    a = PNode("load", ("a", (20, 1), 0), (), (16, 20), "float32")
+    b = PNode("load", ("b", (8, 1), 0), (), (20, 8), "float32")
+    dot = PNode("dot", (), (a, b), (16, 8), "float32")
+    root = PNode("permute", ((1, 0),), (dot,), (8, 16), "float32")
+    buffers = {"out": Buffer("out", (8, 16), "float32", "temp")}
     call = library.library_call(KernelSpec("k0", [(root, "out")]), buffers)
     assert call.op == "mm" and [v.buf for v in call.operands] == ["a", "b"]
-    assert (call.out.buf, call.out.shape, call.out.strides) == ("out", (17, 9), (1, 17))
+    assert (call.out.buf, call.out.shape, call.out.strides) == ("out", (16, 8), (1, 16))
 
 
 def test_kernels_read_what_the_call_wrote(cublas):
     """A product whose output a reduction reads (a matmul kernel holds no reduction): the
     call writes the buffer, the reduction kernel reads it, the buffer is let go of after."""
-    a, b = torch.randn(33, 20), torch.randn(20, 17)
+    a, b = torch.randn(33, 20), torch.randn(20, 12)
     compiled = _check(lambda a, b: (a @ b).softmax(-1), [a, b], kernels=1, calls=["mm"])
     body = compiled.source.split("def call_boxed")[1]
     assert body.index("torch.mm(") < body.index("_launch(")
@@ -101,8 +101,20 @@ def test_product_with_a_prologue_stays_a_kernel(cublas):
 
 def test_a_layout_cublas_would_copy_stays_a_kernel(cublas):
     """Every other column of x: no unit stride along either dim of the matrix."""
-    x, w = torch.randn(17, 80), torch.randn(40, 33)
+    x, w = torch.randn(17, 80), torch.randn(40, 32)
     _check(lambda x, w: x[:, ::2] @ w, [x, w], kernels=1, calls=[])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rows_not_16_byte_aligned_stay_a_kernel(cublas, dtype):
+    """GPT-2's LM head: logits' rows 50257 apart. cuBLAS takes such rows only with kernels
+    that load one element at a time (7.6x slower on an H200), so the product is generated.
+    Rows of 36 bytes (18 halves, 9 floats) are not a multiple of 16; 32 halves (64 bytes) are."""
+    x, w = torch.randn(17, 32, dtype=dtype), torch.randn(9 if dtype == torch.float32 else 18, 32, dtype=dtype)
+    _check(lambda x, w: x @ w.T, [x, w], kernels=1, calls=[])
+    odd_k = torch.randn(17, 18, dtype=dtype)  # the operand's rows unaligned
+    _check(lambda x, w: x @ w, [odd_k, torch.randn(18, 32, dtype=dtype)], kernels=1, calls=[])
+    _check(lambda x, w: x @ w.T, [x, torch.randn(32, 32, dtype=dtype)], kernels=0, calls=["mm"])
 
 
 @pytest.mark.parametrize("how", ["option", "env"])
@@ -168,7 +180,7 @@ def test_a_plan_cache_hit_keeps_the_calls(cublas, tmp_path, monkeypatch):
     from eqfuse.runtime import plan_cache
     monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(plan_cache.ENV_SWITCH, "1")
-    a, b = torch.randn(33, 20), torch.randn(20, 17)
+    a, b = torch.randn(33, 20), torch.randn(20, 12)
     first = eqfuse.compile(_mm_softmax, [a, b])
     again = eqfuse.compile(_mm_softmax, [a, b])
     assert not first.report["plan_cache"]["hit"] and again.report["plan_cache"]["hit"]
@@ -178,15 +190,15 @@ def test_a_plan_cache_hit_keeps_the_calls(cublas, tmp_path, monkeypatch):
 
 def test_export_refuses_library_calls(cublas, tmp_path):
     from eqfuse.export import ExportError, export_graph
-    a, b = torch.randn(17, 20), torch.randn(20, 9)
+    a, b = torch.randn(17, 20), torch.randn(20, 8)
     with pytest.raises(ExportError, match="cannot export cuBLAS calls .*cublas=False"):
         export_graph(eqfuse.compile(torch.matmul, [a, b]), tmp_path)
 
 
 def test_inspect_lists_the_calls(cublas, tmp_path):
-    a, b = torch.randn(33, 20), torch.randn(20, 17)
+    a, b = torch.randn(33, 20), torch.randn(20, 12)
     result = eqfuse.compile(lambda a, b: (a @ b).softmax(-1), [a, b]).inspect(tmp_path, arch="sm_90")
-    assert len(result.kernels) == 1 and result.library_calls == ["k0_mm: torch.mm, [33 x 20] @ [20 x 17] float32"]
+    assert len(result.kernels) == 1 and result.library_calls == ["k0_mm: torch.mm, [33 x 20] @ [20 x 12] float32"]
     assert "cuBLAS call k0_mm: torch.mm" in str(result)
 
 
@@ -206,7 +218,7 @@ def test_blas_layout(layout, ok):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_on_the_gpu_a_plain_product_is_cublas(monkeypatch, dtype):
     monkeypatch.delenv(library.ENV, raising=False)
-    a, b = torch.randn(257, 100, dtype=dtype, device="cuda"), torch.randn(100, 129, dtype=dtype, device="cuda")
+    a, b = torch.randn(257, 104, dtype=dtype, device="cuda"), torch.randn(104, 136, dtype=dtype, device="cuda")
     _check(torch.matmul, [a, b], kernels=0, calls=["mm"])
     compiled = _check(lambda a, b: (a @ b).softmax(-1), [a, b], kernels=1, calls=["mm"])
     for _ in range(3):  # recorded into a CUDA graph, then replayed

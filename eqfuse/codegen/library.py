@@ -14,9 +14,10 @@ batch) on strided views of the buffers, writing into the planned output buffer (
 so that the steps around it read it as planned. Torch's own settings apply as in eager
 (``allow_tf32``, fp16 reduced-precision reduction).
 
-Only layouts cuBLAS takes as they are: each matrix with a unit stride along one of its
-two dims and the other at least that dim's length (torch would copy any other operand
-first, and compute any other output apart and copy it in), a batch that flattens to one
+Only layouts cuBLAS takes as they are, at full speed: each matrix with a unit stride
+along one of its two dims and the other at least that dim's length and a multiple of 16
+bytes (torch would copy any other operand first, and compute any other output apart
+and copy it in), a batch that flattens to one
 dim. Everything else, and every product with work around it, stays a generated kernel,
 as do exports (runtime/exported.py runs cubins only). A sized module (codegen/sized.py)
 writes the views' sizes that follow the dynamic one over ``SIZE``, as it does its
@@ -76,7 +77,7 @@ def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
             t = t.view(-1, *t.shape[-2:]) if batched else t
         except RuntimeError:
             return None
-        if not blas_layout(t.shape[-2:], t.stride()[-2:]):
+        if not blas_layout(t.shape[-2:], t.stride()[-2:]) or not aligned(t, ITEMSIZE[product.dtype]):
             return None
         matrices.append(BufRef(buf, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
     *_, m, n = product.shape
@@ -84,6 +85,20 @@ def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
     batch = f"{matrices[2].shape[0]} x " if batched else ""
     return LibraryCall(spec.name, "bmm" if batched else "mm", matrices[:2], matrices[2],
                        f"{batch}[{m} x {k}] @ [{k} x {n}] {product.dtype}", list(spec.fx_nodes))
+
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+ALIGNMENT = 16  # bytes
+
+
+def aligned(t, itemsize: int) -> bool:
+    """Whether every stride but the unit one, and the offset, of the matrices ``t`` are
+    multiples of 16 bytes. cuBLAS takes the others with kernels that load one element at
+    a time: GPT-2's LM head (a vocabulary of 50257, the logits' rows 50257 apart) ran
+    ``cutlass_75_tensorop_bf16_s1688gemm_bf16_128x128_tn_align1`` in 3362 us on an H200,
+    where torch.compile, padding the rows, took 441 (benchmarks/results/zoo_*.json)."""
+    strides = [s for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1]
+    return all((s * itemsize) % ALIGNMENT == 0 for s in (*strides, t.storage_offset()))
 
 
 def blas_layout(shape, strides) -> bool:

@@ -103,6 +103,12 @@ class CompiledGraph:
         return self._main.library_calls
 
     @property
+    def empty_tensors(self) -> list:
+        """The FX nodes whose values have no elements (nothing to compute: each is an
+        empty allocation, no kernel), such as transformers' empty KV cache."""
+        return self._main.empty_tensors
+
+    @property
     def source(self) -> str:
         return self._main.source
 
@@ -183,6 +189,7 @@ class _Variant:
     source: str = ""
     report: dict = field(default_factory=dict)
     plan: Any = None
+    empty_tensors: list = field(default_factory=list)  # FX nodes whose values have no elements
 
     @property
     def library_calls(self) -> list:
@@ -363,6 +370,8 @@ class _Variant:
             lines.append(f"      computes FX nodes: {', '.join(c.fx_nodes) or '-'}")
         for f in self.fallbacks:
             lines.append(f"  eager: {f}")
+        if self.empty_tensors:
+            lines.append(f"  no elements, nothing to compute: {', '.join(self.empty_tensors)}")
         if rep.get("no_cuda_graphs"):
             lines.append(f"  no CUDA graphs: {rep['no_cuda_graphs']}")
         if rep.get("note"):
