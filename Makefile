@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m eqfuse.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n auto tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check eqfuse tests benchmarks

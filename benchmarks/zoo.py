@@ -89,11 +89,11 @@ def peak_mib(fn) -> float:
 
 def eqfuse_graphs() -> dict:
     graphs = list(eqfuse.backend.history)
-    steps = sorted({f"{f.op}" for g in graphs for f in g.fallbacks if f.op != "empty"})
+    steps = sorted({f.op for g in graphs for f in g.fallbacks})
     whole = [f.reason for g in graphs for f in g.fallbacks if f.node == "<graph>"]
     return {"graphs": len(graphs), "kernels": sum(len(g.kernels) for g in graphs),
             "cublas_calls": sum(len(g.library_calls) for g in graphs), "eager_ops": steps,
-            "graphs_wholly_eager": whole}
+            "graphs_wholly_eager": whole, "explain": [g.explain() for g in graphs]}
 
 
 def run_family(family: zoo.Family, mode: str, args) -> dict:

@@ -117,7 +117,8 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
             # Checked at the first call, on the inputs the user passes: values made up here
             # may break an op's precondition (a token index past an embedding's rows, which
             # on a GPU kills the process's CUDA context), and a check on them checks nothing
-            result["check"] = functools.partial(_first_call_check, plan, captured)
+            # (a copy: code generation rewrites the plan in place, cuBLAS calls for products)
+            result["check"] = functools.partial(_first_call_check, copy.deepcopy(plan), captured)
             problem = None
             break
         t0 = time.perf_counter()

@@ -45,6 +45,7 @@ class Family:
     train: str | None = None  # the class trained with labels=, where it is not ``model``
     published: dict = field(default_factory=dict)  # a published checkpoint's sizes (GPU benchmark)
     tiny: dict = field(default_factory=dict)  # beyond TINY, for this family's CPU tests
+    fixed: dict = field(default_factory=dict)  # config fields set at every size (its defaults lack them)
 
     @property
     def train_model(self) -> str:
@@ -86,7 +87,7 @@ FAMILIES = [
         num_attention_heads=12, max_position_embeddings=514, pad_token_id=1)),
     Family("t5", "T5ForConditionalGeneration", SEQ2SEQ, published=dict(  # T5-base
         vocab_size=32128, d_model=768, d_ff=3072, d_kv=64, num_layers=12, num_heads=12),
-        tiny=dict(d_model=64, num_layers=2, num_heads=4)),
+        tiny=dict(d_model=64, num_layers=2, num_heads=4), fixed=dict(decoder_start_token_id=0)),
     Family("bart", "BartForConditionalGeneration", SEQ2SEQ, published=dict(  # BART-base
         vocab_size=50265, d_model=768, encoder_ffn_dim=3072, decoder_ffn_dim=3072, encoder_layers=6,
         decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12),
@@ -141,7 +142,7 @@ def family_model(family: Family, train: bool = False, sizes: dict | None = None,
     """The family's model (its training class with ``train``) at TINY plus its own sizes,
     or at ``sizes``."""
     chosen = {**TINY, **family.tiny} if sizes is None else sizes
-    return build(family.train_model if train else family.model, chosen, **kw)
+    return build(family.train_model if train else family.model, chosen, **family.fixed, **kw)
 
 
 def inputs(family: Family, model: torch.nn.Module, batch: int = 2, seq: int = 9, labels: bool = False,
@@ -155,18 +156,18 @@ def inputs(family: Family, model: torch.nn.Module, batch: int = 2, seq: int = 9,
     vocab = getattr(cfg, "vocab_size", None)
 
     def tokens(s):  # ids above the special tokens
-        return torch.randint(3, vocab, (batch, s), generator=g).to(device)
+        return torch.randint(3, vocab, (batch, s), generator=g, device="cpu").to(device)
 
     if family.kind == VISION:
         size = cfg.image_size
-        kw = {"pixel_values": torch.randn(batch, cfg.num_channels, size, size, generator=g).to(device,
+        kw = {"pixel_values": torch.randn(batch, cfg.num_channels, size, size, generator=g, device="cpu").to(device,
                                                                                                  model.dtype)}
         if labels:
-            kw["labels"] = torch.randint(0, cfg.num_labels, (batch,), generator=g).to(device)
+            kw["labels"] = torch.randint(0, cfg.num_labels, (batch,), generator=g, device="cpu").to(device)
         return kw
     kw = {"input_ids": tokens(seq)}
     if family.kind in (ENCODER, SEQ2SEQ):
-        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask = torch.ones(batch, seq, dtype=torch.long, device="cpu")
         mask[-1, seq - 2:] = 0
         kw["attention_mask"] = mask.to(device)
     if family.kind == SEQ2SEQ:
@@ -177,7 +178,7 @@ def inputs(family: Family, model: torch.nn.Module, batch: int = 2, seq: int = 9,
     elif labels and family.kind == DECODER:
         kw["labels"] = kw["input_ids"].clone()
     elif labels:
-        kw["labels"] = torch.randint(0, cfg.num_labels, (batch,), generator=g).to(device)
+        kw["labels"] = torch.randint(0, cfg.num_labels, (batch,), generator=g, device="cpu").to(device)
     return kw
 
 

@@ -265,3 +265,44 @@ def test_a_mask_shared_by_candidate_kernels_is_evaluated_once(monkeypatch):
     first, second = attention._static_kept(mask()), attention._static_kept(mask())
     assert [n.op for n in calls] == ["binary", "iota", "iota"] and first is second  # one evaluation
     assert torch.equal(first, torch.arange(64)[:, None] >= torch.arange(64)[None, :])
+
+
+def _finite_mask_attention(floor: float, scale_after: float = 1.0, first_row_unseen: bool = False):
+    """Causal attention with the mask added as a finite constant, as torch's cuDNN
+    attention and transformers' half-precision masks write it."""
+    def attend(q, k, v):
+        n = q.shape[-2]
+        i = torch.arange(n, device=q.device)
+        keep = i[None, :] <= i[:, None]
+        if first_row_unseen:
+            keep = keep & (i[:, None] > 0)
+        bias = torch.where(keep, 0.0, floor).to(q.dtype)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias) * scale_after
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+    return attend
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_causal_mask_of_finite_constants_skips_the_tiles_past_the_diagonal(dtype):
+    """-65504 (float16's largest magnitude) and below underflow to 0 in exp beside a
+    visible key: the tiles past the diagonal add nothing, as with -inf, and are skipped
+    (Qwen2 and Mistral through SDPA on a GPU, cuDNN's mask: every key tile was visited)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 100, 16, dtype=dtype, device=DEVICE) for _ in range(3))
+    for floor in (-65504.0, torch.finfo(dtype).min):
+        c = one_streamed_kernel(_finite_mask_attention(floor), (q, k, v))
+        assert c.kernels[0].schedule.band == (-99, 0), floor
+
+
+def test_a_finite_mask_that_could_reach_zero_or_leaves_a_row_unseen_is_no_band():
+    """Scaled by less than one after it is added, -65504 is no longer certain to vanish;
+    a row that sees no key averages the values in eager (with -inf it would be NaN):
+    neither skips a tile, and both match eager (to the rounding of scores 65504 away from
+    0 in float32: 2^-8)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, device=DEVICE) for _ in range(3))
+    for fn in (_finite_mask_attention(-65504.0, scale_after=0.01),
+               _finite_mask_attention(-65504.0, first_row_unseen=True)):
+        c = eqfuse.compile(fn, (q, k, v))
+        assert [k.schedule.kind for k in c.kernels] == ["attention"] and c.kernels[0].schedule.band is None
+        torch.testing.assert_close(c(q, k, v), fn(q, k, v), atol=1e-2, rtol=1e-2)

@@ -71,6 +71,17 @@ def test_the_module_hands_k_stored_transposed_to_the_persistent_template(monkeyp
     assert (c["SQM"], c["SVN"]) == (64, 64)  # q and v as before
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_grouped_query_attention_reads_each_stored_kv_head_for_its_group(layout):
+    """k through repeat_interleave, v through expand and reshape (transformers' repeat_kv):
+    the template reads the stored heads, q's head h reading k's and v's head h // 2."""
+    _, k, _ = kernel_of("gqa_attention", heads=4, seq=32, layout=layout)
+    f = flash.form(k.spec, k.schedule.band, k.schedule.m)
+    assert f is not None and (f.k.group, f.v.group, f.q.group) == (2, 2, 1)
+    assert f.k.batch_strides == ((2 * 32 * 16, 32 * 16) if layout == "bhsd" else (32 * 2 * 16, 16))
+    assert f.collapsible == (layout == "bhsd")
+
+
 def test_k_stored_transposed_at_an_unaligned_stride_keeps_the_portable_kernel():
     _, k, _ = kernel_of("causal_attention", heads=3, seq=17, layout="kt")  # rows of 34 bytes: no TMA
     assert flash.form(k.spec, k.schedule.band, k.schedule.m) is None
@@ -203,10 +214,11 @@ CASES = [(PER_PROGRAM, 128, seq, layout) for seq in (1, 17, 100, 300) for layout
 @pytest.mark.skipif(not _hopper(), reason="the template needs a Hopper GPU (sm_90a)")
 @pytest.mark.parametrize("cfg,d,seq,layout", CASES)
 @pytest.mark.parametrize("name", ["attention", "attention_scale_on_q", "causal_attention", "causal_attention_where",
-                                  "sdpa_causal"])
+                                  "sdpa_causal", "gqa_attention"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_template_matches_eager(monkeypatch, name, cfg, d, seq, layout, dtype):
-    compiled, info, source, inputs = flash_module(monkeypatch, name, cfg, heads=3, seq=seq, d=d, dtype=dtype,
+    heads = 4 if name == "gqa_attention" else 3  # two stored heads of k and v, each for two of q's
+    compiled, info, source, inputs = flash_module(monkeypatch, name, cfg, heads=heads, seq=seq, d=d, dtype=dtype,
                                                   layout=layout)
     # one row, causal: the mask folds to nothing, and the portable kernel runs
     assert "PROGRAMS" in info.constexprs or (seq == 1 and name != "attention")
@@ -225,11 +237,12 @@ from eqfuse.runtime.compile_worker import ast_source
 
 fn = flash_hopper.flash_attention_hopper
 out = []
-for programs, causal, stages, kt in ((0, True, 3, False), (132, False, 2, False), (132, True, 2, True)):
+for programs, causal, stages, kt, group in ((0, True, 3, False, 1), (132, False, 2, False, 1), (132, True, 2, True, 1),
+                                           (0, True, 3, False, 4), (132, True, 2, False, 2)):
     sig = {p: "*fp16" if p.endswith("_ptr") else "constexpr" for p in fn.arg_names}
     cx = dict(H=4, M=512, N=512, D=128, OQ=0, OK=0, OV=0, OO=0, SCALE=0.1, CAUSAL=causal, BAND_HI=0,
               BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=8,
-              PROGRAMS=programs, CHUNK=4, KT=kt)
+              PROGRAMS=programs, CHUNK=4, KT=kt, GROUP=group)
     for t, rows in (("Q", "M"), ("K", "N"), ("V", "N"), ("O", "M")):
         cx.update({f"S{t}B": 4 * 512 * 128, f"S{t}H": 512 * 128, f"S{t}{rows}": 128})
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if p.endswith("_ptr")}
@@ -243,7 +256,8 @@ print(json.dumps(out))
 
 
 def test_the_template_compiles_for_sm90_without_a_gpu():
-    """Triton's compiler and its bundled ptxas need no GPU: both forms build for Hopper,
+    """Triton's compiler and its bundled ptxas need no GPU: both forms build for Hopper
+    (with k and v shared by groups of heads too),
     with their products on wgmma, registers handed from the loader to the consumers, and
     shared memory under the H100's 227 KB (in a child process: one that interprets Triton
     kernels cannot compile them)."""

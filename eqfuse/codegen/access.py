@@ -106,3 +106,48 @@ def strided_view(node: PNode):
     except RuntimeError:  # a reshape that is no view of these strides
         return None
     return buf, t if tuple(t.shape) == tuple(node.shape) else None
+
+
+def grouped_view(node: PNode):
+    """``(buffer, meta tensor, group)`` for an operand of attention whose heads are the
+    stored heads each repeated ``group`` times in a row (grouped-query attention: k and v
+    through ``repeat_interleave``, or ``expand`` and ``reshape``, as transformers'
+    ``repeat_kv`` writes it), the meta tensor viewing the stored heads: head ``h`` reads
+    stored head ``h // group``. ``group`` is 1 where ``node`` is a plain strided view;
+    None where it is neither. Above the merge of (stored heads, repeats) only permutes
+    that keep the dims up to the heads in place are taken."""
+    plain = strided_view(node)
+    if plain is not None:
+        return (*plain, 1)
+    chain, inner = [], None
+    while node.op in INDEX_MAPS:
+        chain.append(node)
+        inner = strided_view(node.args[0])
+        if inner is not None:
+            break
+        node = node.args[0]
+    if inner is None or node.op != "reshape":
+        return None
+    buf, t = inner
+    merged = _merged_repeats(t, tuple(node.shape))
+    if merged is None:
+        return None
+    repeats, head = merged
+    t = t.select(repeats, 0)
+    for above in reversed(chain[:-1]):
+        perm = above.attrs[0] if above.op == "permute" else None
+        if perm is None or list(perm[:head + 1]) != list(range(head + 1)):
+            return None
+        t = t.permute(*perm)
+    return buf, t, node.shape[head] // t.shape[head]
+
+
+def _merged_repeats(t, shape: tuple):
+    """(the repeats dim, the heads dim) where ``shape`` is ``t``'s with a dim of stride 0
+    (the repeats) merged into the dim before it (the stored heads); None otherwise."""
+    for d in range(1, t.dim()):
+        if t.stride(d) == 0 and t.shape[d] > 1:
+            merged = (*t.shape[:d - 1], t.shape[d - 1] * t.shape[d], *t.shape[d + 1:])
+            if merged == shape:
+                return d, d - 1
+    return None

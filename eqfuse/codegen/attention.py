@@ -209,18 +209,33 @@ def _structure(node: PNode, memo: dict) -> tuple:
     return key
 
 
+# A masked score written as a finite constant at or below this (the largest float16
+# magnitude, negated): what torch's cuDNN attention turns a boolean mask into, and what
+# transformers writes for half precision. Past it, exp(score - row max) is 0 in float32
+# unless a row's scores span 65400, so a tile of such scores adds nothing to its row, as
+# one of -inf does, provided the row sees some other key (else eager averages the values
+# where -inf gives NaN): only then are such tiles skipped.
+MASKED_AT_OR_BELOW = -65504.0
+
+
 def _masked_band(s: PNode) -> tuple | None:
     *_, m, n = s.shape
     if m * n > BAND_ANALYSIS_MAX:
         return None
-    masked = _certainly_neg_inf(s)
+    band = _band(_certainly_neg_inf(s, -math.inf), m, n, every_row=False)
+    return band if band is not None else _band(_certainly_neg_inf(s, MASKED_AT_OR_BELOW), m, n, every_row=True)
+
+
+def _band(masked, m: int, n: int, every_row: bool) -> tuple | None:
+    """The band of ``masked`` (see ``masked_band``); with ``every_row``, only where every
+    row sees some key."""
     if masked is None:
         return None
     while masked.dim() > 2:  # a mask that differs between heads or batches: none of it
         masked = masked.all(0) if masked.shape[0] > 1 else masked[0]
     visible = ~masked.expand(m, n) if masked.dim() == 2 else ~masked.reshape(1, -1).expand(m, n)
     seen = visible.any(1)
-    if not bool(seen.any()):
+    if not bool(seen.all() if every_row else seen.any()):
         return None
     rows = torch.arange(m)[seen]
     v = visible[seen].to(torch.int8)
@@ -232,21 +247,22 @@ def _masked_band(s: PNode) -> tuple | None:
     return lo, hi
 
 
-def _certainly_neg_inf(node: PNode):
-    """A bool tensor broadcastable to ``node``'s shape, True where the value is -inf
+def _certainly_neg_inf(node: PNode, floor: float = -math.inf):
+    """A bool tensor broadcastable to ``node``'s shape, True where the value is -inf (or a
+    constant at most ``floor`` on top of values that are not: see MASKED_AT_OR_BELOW)
     whatever the inputs; None where nothing is known."""
     op = node.op
     if op == "const":
-        return torch.tensor(float(node.attrs[0]) == float("-inf"))
+        return torch.tensor(float(node.attrs[0]) <= floor)
     if op == "where":
         cond = _static_kept(node.args[0])
-        a, b = (_certainly_neg_inf(x) for x in node.args[1:])
+        a, b = (_certainly_neg_inf(x, floor) for x in node.args[1:])
         if cond is None:
             return a & b if a is not None and b is not None else None
         false = torch.tensor(False)
         return torch.where(cond.bool(), a if a is not None else false, b if b is not None else false)
     if op == "binary" and node.attrs[0] == "add":
-        a, b = (_certainly_neg_inf(x) for x in node.args)
+        a, b = (_certainly_neg_inf(x, floor) for x in node.args)
         if a is None or b is None:
             return a if b is None else b
         return a | b
@@ -254,11 +270,14 @@ def _certainly_neg_inf(node: PNode):
         other = _static_kept(node.args[1])
         if node.attrs[0] != "sub" and not (other is not None and bool((other > 0).all())):
             return None  # a scale must be a known positive number to keep -inf
-        return _certainly_neg_inf(node.args[0])
+        if floor > -math.inf and node.attrs[0] != "sub" and not bool(((other >= 1) if node.attrs[0] == "mul"
+                                                                      else (other <= 1)).all()):
+            return None  # nor may it bring a finite mask closer to 0
+        return _certainly_neg_inf(node.args[0], floor)
     if op == "cast" and ops.is_float(node.dtype):
-        return _certainly_neg_inf(node.args[0])
+        return _certainly_neg_inf(node.args[0], floor)
     if op == "broadcast":
-        return _certainly_neg_inf(node.args[0])  # broadcasting is implicit for torch
+        return _certainly_neg_inf(node.args[0], floor)  # broadcasting is implicit for torch
     return None
 
 

@@ -9,7 +9,8 @@ it), with one output ``expdot / expsum`` in the operands' dtype; q, k and v read
 stored (through index maps only, one buffer or several) with a unit stride along the head
 dim (k may instead be stored transposed, the keys contiguous: the layout in which
 Llama's plan writes k after its rotary embedding), at most two batch dims (batch,
-heads), strides and offsets TMA can take. Anything else (a bias, a padding mask, a
+heads), strides and offsets TMA can take; k and v may hold fewer heads, each read by a group of
+q's heads in a row (grouped-query attention). Anything else (a bias, a padding mask, a
 log-sum-exp output, a prologue on an operand) keeps the portable kernel.
 
 The template is one autotuning candidate among the portable kernel's, offered on Hopper
@@ -48,6 +49,7 @@ class Operand:
     offset: int
     batch_strides: tuple
     row_stride: int
+    group: int = 1  # head h reads stored head h // group (grouped-query attention's k and v)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     kt, k_transposed = _operand(k_node, contiguous=-2), False
     if kt is None:
         kt, k_transposed = _operand(k_node, contiguous=-1), True
-    if None in (q, kt, v) or out in (q.buf, kt.buf, v.buf):
+    if None in (q, kt, v) or out in (q.buf, kt.buf, v.buf) or q.group != 1 or kt.group != v.group:
         return None
     d, e = expdot.args[1].shape[-1], x.args[0].shape[-1]
     if d != e or d % 16 or not 16 <= d <= 128 or len(root.shape) > 4:
@@ -138,8 +140,12 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     if x.args[0].dtype not in ("float16", "bfloat16") or len({x.args[0].dtype, x.args[1].dtype, root.dtype}) != 1:
         return None
     batch = tuple(root.shape[:-2])
+    if v.group > 1 and (len(batch) < 1 or batch[-1] % v.group):
+        return None
+    kv_batch = (*batch[:-1], batch[-1] // v.group) if batch else batch  # the stored heads of k and v
     m, n = x.shape[-2:]
-    collapsible = collapses(q, batch, m) and collapses(kt, batch, d if k_transposed else n) and collapses(v, batch, n)
+    collapsible = (collapses(q, batch, m) and collapses(kt, kv_batch, d if k_transposed else n)
+                   and collapses(v, kv_batch, n))
     return Form(q, kt, v, out, scale, band[1] if band is not None else None, collapsible, k_transposed)
 
 
@@ -174,10 +180,10 @@ def _operand(node: PNode, contiguous: int) -> Operand | None:
     into heads, transposed, sliced), with a unit stride along ``contiguous`` (-1: rows of
     D, or k^T stored as such; -2: k^T, whose D runs down its columns). Its rows are the
     other axis."""
-    view = access.strided_view(node) if len(node.shape) <= 4 else None
+    view = access.grouped_view(node) if len(node.shape) <= 4 else None
     if view is None:
         return None
-    buf, t = view
+    buf, t, group = view
     strides, offset = t.stride(), t.storage_offset()
     if strides[contiguous] != 1:
         return None
@@ -186,7 +192,7 @@ def _operand(node: PNode, contiguous: int) -> Operand | None:
     batch = strides[:-2]
     if any((s * item) % ALIGN for s in (row, offset, *batch)):
         return None
-    return Operand(buf, offset, batch, row)
+    return Operand(buf, offset, batch, row, group)
 
 
 def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:
@@ -213,6 +219,7 @@ def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:
         values.update({f"O{name}": op.offset, f"S{name}B": b_stride, f"S{name}H": h_stride,
                        f"S{name}{row}": op.row_stride})
     values.update(SCALE=f.scale, CAUSAL=f.band_hi is not None, BAND_HI=f.band_hi or 0, KT=f.k_transposed,
+                  GROUP=f.v.group,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"],
                   CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=math.prod(batch), PROGRAMS=0, CHUNK=0)
     if persistent:

@@ -111,7 +111,8 @@ def _fetch(desc, row, col, g, ready, empty, smem, STAGES: gl.constexpr):
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
-            M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, KT: gl.constexpr, CAUSAL: gl.constexpr,
+            M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, KT: gl.constexpr, GROUP: gl.constexpr,
+            CAUSAL: gl.constexpr,
             BAND_HI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             QBUF: gl.constexpr,
             PROGRAMS: gl.constexpr, MB: gl.constexpr, BH: gl.constexpr, CHUNK: gl.constexpr):
@@ -128,8 +129,9 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work,
         bh, off_m, tiles = _item(t, mblk0, bh0, N, CAUSAL, BAND_HI, BLOCK_M, BLOCK_N, PROGRAMS, MB, BH, CHUNK)
         # Persistent programs read collapsed [heads x rows, D] boxes; the others one head's.
         q_row = off_m + (bh * M if PROGRAMS else 0)
-        v_row = bh * N if PROGRAMS else 0
-        k_row = (bh * D if KT else bh * N) if PROGRAMS else 0
+        kv = bh // GROUP  # the stored head of k and v
+        v_row = kv * N if PROGRAMS else 0
+        k_row = (kv * D if KT else kv * N) if PROGRAMS else 0
         qb = qi % QBUF
         for i in range(tiles + 1):
             if i < tiles:
@@ -246,7 +248,7 @@ def flash_attention_hopper(
         H: gl.constexpr, M: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
         OQ: gl.constexpr, OK: gl.constexpr, OV: gl.constexpr, OO: gl.constexpr,
         SQB: gl.constexpr, SQH: gl.constexpr, SQM: gl.constexpr,
-        SKB: gl.constexpr, SKH: gl.constexpr, SKN: gl.constexpr, KT: gl.constexpr,
+        SKB: gl.constexpr, SKH: gl.constexpr, SKN: gl.constexpr, KT: gl.constexpr, GROUP: gl.constexpr,
         SVB: gl.constexpr, SVH: gl.constexpr, SVN: gl.constexpr,
         SOB: gl.constexpr, SOH: gl.constexpr, SOM: gl.constexpr,
         SCALE: gl.constexpr, CAUSAL: gl.constexpr, BAND_HI: gl.constexpr,
@@ -267,7 +269,9 @@ def flash_attention_hopper(
     [BH x rows, D]: the caller makes sure heads and rows collapse so (their strides
     compose) and that M and N are multiples of BLOCK_M and BLOCK_N, so that no tile
     crosses into the next head. q is double-buffered there, and the output has its own
-    staging tiles, so one item's epilogue overlaps the next item's loads."""
+    staging tiles, so one item's epilogue overlaps the next item's loads. GROUP > 1:
+    grouped-query attention, head h reading k's and v's stored head h // GROUP (their
+    head strides, and in the persistent form their boxes, count the stored heads)."""
     HALF: gl.constexpr = BLOCK_M // 2
     QBUF: gl.constexpr = 2 if PROGRAMS else 1
     MB: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
@@ -282,9 +286,9 @@ def flash_attention_hopper(
         work = (gl.program_id(0), BH * MB, PROGRAMS, 0, 0)
         q_desc = tma.make_tensor_descriptor(q_ptr + OQ, shape=[BH * M, D], strides=[SQM, 1],
                                             block_shape=[HALF, D], layout=q_smem_layout)
-        k_desc = tma.make_tensor_descriptor(k_ptr + OK, shape=[BH * k_rows, k_cols], strides=[SKN, 1],
+        k_desc = tma.make_tensor_descriptor(k_ptr + OK, shape=[BH // GROUP * k_rows, k_cols], strides=[SKN, 1],
                                             block_shape=k_box, layout=k_smem_layout)
-        v_desc = tma.make_tensor_descriptor(v_ptr + OV, shape=[BH * N, D], strides=[SVN, 1],
+        v_desc = tma.make_tensor_descriptor(v_ptr + OV, shape=[BH // GROUP * N, D], strides=[SVN, 1],
                                             block_shape=[BLOCK_N, D], layout=kv_smem_layout)
         o_desc = tma.make_tensor_descriptor(o_ptr + OO, shape=[BH * M, D], strides=[SOM, 1],
                                             block_shape=[HALF, D], layout=q_smem_layout)
@@ -298,9 +302,9 @@ def flash_attention_hopper(
         work = (0, 1, 1, pid, bh)
         q_desc = tma.make_tensor_descriptor(q_ptr + OQ + b * SQB + h * SQH, shape=[M, D], strides=[SQM, 1],
                                             block_shape=[HALF, D], layout=q_smem_layout)
-        k_desc = tma.make_tensor_descriptor(k_ptr + OK + b * SKB + h * SKH, shape=[k_rows, k_cols],
+        k_desc = tma.make_tensor_descriptor(k_ptr + OK + b * SKB + (h // GROUP) * SKH, shape=[k_rows, k_cols],
                                             strides=[SKN, 1], block_shape=k_box, layout=k_smem_layout)
-        v_desc = tma.make_tensor_descriptor(v_ptr + OV + b * SVB + h * SVH, shape=[N, D], strides=[SVN, 1],
+        v_desc = tma.make_tensor_descriptor(v_ptr + OV + b * SVB + (h // GROUP) * SVH, shape=[N, D], strides=[SVN, 1],
                                             block_shape=[BLOCK_N, D], layout=kv_smem_layout)
         o_desc = tma.make_tensor_descriptor(o_ptr + OO + b * SOB + h * SOH, shape=[M, D], strides=[SOM, 1],
                                             block_shape=[HALF, D], layout=q_smem_layout)
@@ -334,6 +338,6 @@ def flash_attention_hopper(
                      BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
         (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 1, M, N, D, KT, SCALE, CAUSAL, BAND_HI,
                      BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work, M, N, D, KT, CAUSAL, BAND_HI,
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work, M, N, D, KT, GROUP, CAUSAL, BAND_HI,
                    BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
     ], [4, 1], [CONSUMER_REGS, 24])
