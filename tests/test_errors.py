@@ -173,3 +173,19 @@ def test_a_kernel_that_fails_at_its_first_launch_leaves_the_graph_in_eager(monke
     assert fb.node == "<graph>" and "RuntimeError: made-up launch failure" in fb.reason and "\n" not in fb.reason
     assert any("made-up launch failure" in r.getMessage() for r in caplog.records)
     assert_matches(c(x * 2), f(x * 2))
+
+
+def test_random_ops_draw_in_the_graphs_order():
+    """The second draw reads only an input, the first a kernel's output: ready first, it
+    would draw first and take the first one's numbers. Eager steps that draw random
+    numbers keep the graph's order (T5's training forward failed its check so)."""
+    def f(x, y):
+        a = x.exp() * 2
+        return a + torch.rand_like(a), y + torch.rand_like(y)
+    x, y = torch.randn(6, 5), torch.randn(6, 5)
+    c = eqfuse.compile(f, (x, y))
+    assert [fb.op for fb in c.fallbacks] == ["rand_like", "rand_like"] and c.kernels, c.explain()
+    torch.manual_seed(3)
+    got = c(x, y)
+    torch.manual_seed(3)
+    assert_matches(got, f(x, y))
