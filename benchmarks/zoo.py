@@ -7,7 +7,9 @@ layers each), eager vs torch.compile vs eqfuse in one process.
 Each family (eqfuse/zoo.py: random weights, bf16) runs as its users run it: default
 arguments (SDPA attention, the KV cache on) for inference (the prompt: decoders at batch
 4 x 1024 tokens, encoders and encoder-decoders at 8 x 512, ViT at 32 images), and a
-training step (``labels=``, ``loss.backward()``, train mode) at the same sizes. Reported
+training step (``labels=``, ``loss.backward()``, train mode) at the same sizes, with
+dropout off: a GPU's fused attention draws its dropout masks by its own generator
+offsets, so that no two backends' steps are comparable with it on. Reported
 per family, mode and contender, as Inductor's dashboard reports them: whether the
 compiled output matches eager's (the pass rate), the median time of a call
 (triton.testing.do_bench in interleaved rounds, L2 flushed), the speedups over eager and
@@ -100,7 +102,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
     training = mode == "train"
     batch, seq = SIZES[family.kind]
     model = zoo.family_model(family, train=training, sizes=published(family, args.layers), dtype=torch.bfloat16,
-                             device="cuda")
+                             device="cuda", dropout=False)
     if training:
         model.train()
     kwargs = zoo.inputs(family, model, batch=batch, seq=seq, labels=training)

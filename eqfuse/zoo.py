@@ -122,14 +122,21 @@ def config(model_class, sizes: dict | None = None, **overrides):
 
 
 def build(model_class, sizes: dict | None = None, dtype=torch.float32, device="cpu", seed: int = 0,
-          **overrides) -> torch.nn.Module:
+          dropout: bool = True, **overrides) -> torch.nn.Module:
     """``model_class`` (a transformers class or its name) with random weights at ``sizes``
     (TINY by default), in eval mode. Norm weights and biases are drawn at random too:
-    at 1 and 0 they would hide a kernel that drops them."""
+    at 1 and 0 they would hide a kernel that drops them. ``dropout=False`` sets every
+    dropout probability of the config to 0 (a GPU's fused attention draws its dropout
+    masks by its own generator offsets: one backend's training step is not another's)."""
     if isinstance(model_class, str):
         model_class = getattr(_transformers(), model_class)
     torch.manual_seed(seed)
-    model = model_class(config(model_class, sizes, **overrides))
+    cfg = config(model_class, sizes, **overrides)
+    if not dropout:
+        for name, value in cfg.to_dict().items():
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+                setattr(cfg, name, 0.0)
+    model = model_class(cfg)
     with torch.no_grad():
         for module in model.modules():
             if "Norm" in type(module).__name__:

@@ -179,3 +179,76 @@ def test_eager_step_sees_eager_layouts():
     assert STRIDES_SEEN[-1] == STRIDES_SEEN[0] == (1, 12)
     assert got[0].stride() == ref[0].stride() == (1, 12)
     assert_matches(got, ref)
+
+
+SPECIAL = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40, torch.finfo(torch.float32).max]
+
+
+def _with_specials(shape, dtype=torch.float32):
+    x = torch.randn(shape, dtype=dtype)
+    flat = x.view(-1)
+    flat[: len(SPECIAL)] = torch.tensor(SPECIAL, dtype=dtype)
+    return x
+
+
+@pytest.mark.parametrize("dim", [1, 0, -1])
+def test_gather_of_one_index_per_row_is_a_select_and_sum(dim):
+    """Special values elsewhere in a row are not selected (a NaN, an inf), and the one
+    selected keeps its value: the gather is one kernel, no eager step."""
+    x = _with_specials((5, 7, 3)).transpose(0, 1)  # strided, not contiguous
+    index_shape = [7, 5, 3]
+    index_shape[dim % 3] = 1
+    index = torch.randint(0, x.shape[dim], index_shape)
+
+    def f(x, index):
+        return x.gather(dim, index) * 2
+    c = eqfuse.compile(f, (x, index))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x, index), f(x, index)
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_scatter_of_one_index_per_row_is_a_select():
+    """nll_loss's backward: zeros with one value per row (a scalar, or from a tensor),
+    special values in the base kept where nothing is written."""
+    base = _with_specials((6, 9))
+    index = torch.tensor([[0], [8], [3], [3], [1], [0]])
+    src = torch.randn(6, 1)
+
+    def f(base, index, src):
+        return base.scatter(1, index, -1.0) + base.scatter(1, index, src)
+    c = eqfuse.compile(f, (base, index, src))
+    assert c.kernels and not c.fallbacks, c.explain()
+    torch.testing.assert_close(c(base, index, src), f(base, index, src), equal_nan=True)
+
+
+def test_gather_and_scatter_of_several_indices_per_row_run_in_eager_with_the_reason():
+    x, index = torch.randn(4, 9), torch.randint(0, 9, (4, 3))
+    c = eqfuse.compile(lambda x, i: x.gather(1, i) + 1, (x, index))
+    assert [fb.op for fb in c.fallbacks] == ["gather"] and "more than one index per row" in c.fallbacks[0].reason
+    assert_matches(c(x, index), x.gather(1, index) + 1)
+
+
+def test_cross_entropy_forward_and_backward_have_no_eager_step():
+    """The loss of every language model: its gather and its backward's scatter fuse into
+    the log-softmax kernels (they ran in eager over the whole [tokens, vocabulary] tensor,
+    a copy of it included)."""
+    import torch.nn.functional as F
+
+    import eqfuse.backend
+
+    def loss(logits, target):
+        return F.cross_entropy(logits.float(), target)
+    logits = torch.randn(6, 37, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.tensor([1, 5, -100, 36, 0, 7])
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    got = torch.compile(loss, backend="eqfuse")(logits, target)
+    got.backward()
+    grad, logits.grad = logits.grad, None
+    want = loss(logits, target)
+    want.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, logits.grad)
+    graphs = list(eqfuse.backend.history)
+    assert len(graphs) == 2 and all(g.kernels and not g.fallbacks for g in graphs), [g.explain() for g in graphs]

@@ -964,3 +964,62 @@ def _addmm(tr, node, bias, a, b, beta=1, alpha=1):
             bv = tr.mk(tr.t.Binary("mul", bv, tr.const(beta, dt)), dt, shape)
         v = tr.mk(tr.t.Binary("add", v, bv), dt, shape)
     return Computed(v, shape, dt)
+
+
+# --- one element per row along a dim: gather and scatter as selects ------------------------
+# Where the index has one element along ``dim`` (cross-entropy's target: nll_loss reads
+# -logp[i, target[i]] with gather, and its backward writes into zeros with scatter), the
+# op is a select against the iota along ``dim``: pointwise (scatter) or a row sum (gather),
+# which fuse into the kernels around them (the log-softmax's, its backward's) instead of
+# running in eager over a vocabulary-wide tensor.
+
+def _one_per_row(x, index, dim: int) -> int | None:
+    """``dim`` (normalised) where ``index`` has one element along it and ``x``'s sizes
+    along the others; None otherwise."""
+    if not isinstance(index, (BufferView, Computed)) or not isinstance(x, (BufferView, Computed)):
+        return None
+    if len(index.shape) != len(x.shape) or not x.shape:
+        return None
+    dim %= len(x.shape)
+    same = all(i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != dim)
+    return dim if same and index.shape[dim] == 1 and index.dtype in ("int64", "int32") else None
+
+
+def _is_index(tr, x, index, dim: int):
+    """A bool Value of ``x``'s shape: True where the position along ``dim`` is ``index``'s."""
+    shape = tuple(x.shape)
+    iota = tr.mk(tr.t.Iota(tr.ivec(shape), dim), "int64", shape)
+    return tr.mk(tr.t.Binary("eq", iota, tr.operand(index, shape, "int64")), "bool", shape)
+
+
+_ZERO = {True: -0.0, False: 0}  # the sum's identity: -0.0 + x is x, the sign of a zero too
+
+
+@handles(aten.gather)
+def _gather(tr, node, x, dim, index, sparse_grad=False):
+    """``x.gather(dim, index)`` with one index per row: the row's sum of ``x`` where the
+    position is the index, -0.0 elsewhere (exact: one value and zeros; NaN or inf elsewhere
+    in the row are not selected). A -0.0 selected comes back +0.0, as from every sum of
+    eqfuse's kernels (their reductions start at +0.0)."""
+    dim = _one_per_row(x, index, dim)
+    shape, dt = _out(node)
+    if dim is None or not (ops.is_float(dt) or dt in ("int64", "int32")):
+        raise Unsupported("gather with more than one index per row (an indirect load has no kernel form yet)")
+    fill = tr.const(_ZERO[ops.is_float(dt)], dt)
+    picked = tr.mk(tr.t.Where(_is_index(tr, x, index, dim), tr.operand(x, x.shape, dt), fill), dt, tuple(x.shape))
+    return _reduce(tr, Computed(picked, tuple(x.shape), dt), [dim], True, "sum", dt, shape)[0]
+
+
+@handles(aten.scatter)
+def _scatter(tr, node, base, dim, index, src, reduce=None):
+    """``base.scatter(dim, index, src)`` with one index per row (src a scalar, or shaped
+    as the index): ``src`` where the position along ``dim`` is the index, ``base`` elsewhere."""
+    dim = _one_per_row(base, index, dim)
+    shape, dt = _out(node)
+    if reduce is not None or dim is None:
+        raise Unsupported("scatter with more than one index per row (an indirect store has no kernel form yet)")
+    if isinstance(src, (BufferView, Computed)) and tuple(src.shape) != tuple(index.shape):
+        raise Unsupported("scatter of a source larger than its index")
+    value = tr.operand(src, shape, dt)
+    return Computed(tr.mk(tr.t.Where(_is_index(tr, base, index, dim), value, tr.operand(base, shape, dt)), dt, shape),
+                    shape, dt)
