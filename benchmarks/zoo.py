@@ -11,7 +11,7 @@ training step (``labels=``, ``loss.backward()``, train mode) at the same sizes, 
 dropout off: a GPU's fused attention draws its dropout masks by its own generator
 offsets, so that no two backends' steps are comparable with it on. Reported
 per family, mode and contender, as Inductor's dashboard reports them: whether the
-compiled output matches eager's (the pass rate), the median time of a call
+compiled output is as close to a float32 evaluation of the model as eager's (the pass rate), the median time of a call
 (triton.testing.do_bench in interleaved rounds, L2 flushed), the speedups over eager and
 over torch.compile, compile seconds cold (the first call; each contender's caches start
 empty) and, with ``--warm``, warm (compiled again after torch._dynamo.reset), the memory
@@ -43,8 +43,13 @@ from eqfuse import zoo  # noqa: E402
 SIZES = {zoo.DECODER: (4, 1024), zoo.ENCODER: (8, 512), zoo.SEQ2SEQ: (8, 512), zoo.VISION: (32, 0)}
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
                 "decoder_layers")
-# The output of a compiled call against eager's, relative to its largest magnitude (bf16)
-PASS_RTOL = 5e-2
+# A compiled call passes where its output is no further from a float32 evaluation of the
+# model than twice eager's distance plus one bf16 rounding (relative L2 norms), as
+# Inductor's accuracy check judges against float64: a mixture of experts routes a few
+# tokens that tie within bf16's rounding to another expert in any backend that rounds
+# differently (Mixtral: Inductor's and eqfuse's logits 0.46-0.96 off eager's at the
+# largest element), and eager's own routing differs from float32's as much.
+PASS_SLACK = 2.0 ** -8
 
 
 def published(family: zoo.Family, layers: int | None) -> dict:
@@ -72,6 +77,26 @@ def step_fn(model, kwargs: dict, training: bool):
         with torch.no_grad():
             return zoo.main_output(model(**kwargs))
     return infer
+
+
+def float32_output(model, kwargs: dict, training: bool) -> torch.Tensor:
+    """The model's output (the loss, for a training step) computed in float32 from the same
+    weights and inputs: the reference of the pass rate."""
+    import copy
+
+    wide = copy.deepcopy(model).float()
+    wide_kwargs = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = wide(**wide_kwargs).loss if training else zoo.main_output(wide(**wide_kwargs))
+    out = out.detach().float()
+    del wide
+    torch.cuda.empty_cache()
+    return out
+
+
+def relative_l2(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((got - exact).norm() / exact.norm().clamp_min(1e-30)).item()
 
 
 def timed_first(fn):
@@ -109,6 +134,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
     row = {"family": family.name, "mode": mode, "model": family.train_model if training else family.model,
            "batch": batch, "seq": seq, "layers": args.layers,
            "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "contenders": {}}
+    exact = float32_output(model, kwargs, training)
     fns, reference = {}, None
     for name, how in contenders(args.autotune).items():
         entry = row["contenders"][name] = {}
@@ -119,13 +145,15 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
             fn = step_fn(compiled, kwargs, training)
             torch.manual_seed(0)
             seconds, out = timed_first(fn)
+            entry["rel_err_vs_fp32"] = float(f"{relative_l2(out, exact):.3g}")
             if how is None:
                 reference = out
             else:
                 entry["compile_s_cold"] = round(seconds, 2)
                 err = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
                 entry["max_rel_err"] = float(f"{err:.3g}")
-                entry["pass"] = bool(err <= PASS_RTOL)
+                eager_err = row["contenders"]["eager"]["rel_err_vs_fp32"]
+                entry["pass"] = bool(entry["rel_err_vs_fp32"] <= 2 * eager_err + PASS_SLACK)
             if name == "eqfuse":
                 entry.update(eqfuse_graphs())
             if args.warm and how is not None:

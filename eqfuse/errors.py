@@ -21,7 +21,14 @@ class Unsupported(EqfuseError):
 
 
 class Unschedulable(EqfuseError):
-    """A fused kernel body that the code generator cannot schedule (extraction avoids these)."""
+    """A fused kernel body that the code generator cannot schedule (extraction avoids these).
+    ``store``: the e-classes of the values whose storing by a kernel of their own would
+    make the body schedulable, where the code generator knows them; extraction's repair
+    tries those first."""
+
+    def __init__(self, message: str, store: tuple = ()):
+        super().__init__(message)
+        self.store = tuple(c for c in store if c)
 
 
 class ExtractionError(EqfuseError):

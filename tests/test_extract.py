@@ -36,7 +36,7 @@ class ReferenceExtractor(Extractor):
             try:
                 extract.generate(spec, buffers)
             except Unschedulable as e:
-                return math.inf, str(e), True
+                return math.inf, e, True
         return t, reason, True
 
 

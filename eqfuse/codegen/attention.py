@@ -108,9 +108,11 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
         if x.op in ("expdot", "expsum", "reduce"):
             raise Unschedulable(f"a {x.op} inside attention scores")
     dots = [x for x in inner if x.op == "dot"]
+    values = [f.args[1] for f in flows if f.op == "expdot"]
+    outer = [d for d in dots if not any(x is d for o in dots if o is not d for x in o.walk())]
+    _check_read_as_stored(values + [d.args[1] for d in outer])
     if len(dots) > 1:
         raise Unschedulable("more than one product in attention scores")
-    values = [f.args[1] for f in flows if f.op == "expdot"]
     widths = {v.shape[-1] for v in values}
     if len(widths) > 1:
         raise Unschedulable("softmax products of different widths in one kernel")
@@ -143,6 +145,38 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     from . import flash
     return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype, dots=len(values),
                     band=band, flash=flash.form(spec, band, m) if flash.device_supports() else None)
+
+
+def _check_read_as_stored(operands: list[PNode]) -> None:
+    """Keys and values (the scores' product's right operand, the softmax products' values)
+    are loads, through index maps, casts and scales by constants only. Anything computed
+    on them runs in the key loop, once per block of queries, in series with the tensor
+    cores (the loads of a plain operand pipeline behind them): on an H100 k's rotary
+    embedding cost 4 times the pointwise rate there (cos and sin loaded;
+    results/streamed-work-probe_*.json), and on an H200 GPT-NeoX's partial rotary, its cos
+    and sin computed from the positions, made attention 1590 us against cuDNN's 77
+    (results/zoo-infer_NVIDIA-H200_*.json). Checked before the scores' other products, so
+    that the repair stores a computed k (its projection and its rotary embedding), not the
+    scores, which are cheaper to store at a few positions and a plan of [S, S] buffers at
+    every length."""
+    for operand in operands:
+        computed = _computed_part(operand)
+        if computed is not None:
+            raise Unschedulable("keys or values computed inside an attention kernel (recomputed for every "
+                                "block of queries: a kernel of their own stores them)", store=[computed.eclass])
+
+
+def _computed_part(node: PNode) -> PNode | None:
+    """The first node below index maps, casts and constant scales that is computed, if any."""
+    if node.op in ("load", "const"):
+        return None
+    if node.op in ("broadcast", "reshape", "permute", "slice", "cast"):
+        return _computed_part(node.args[0])
+    if node.op == "binary" and node.attrs[0] == "mul":
+        scales = [a for a in node.args if a.op == "const" or (a.op == "broadcast" and a.args[0].op == "const")]
+        if scales:
+            return next((p for p in map(_computed_part, node.args) if p is not None), None)
+    return node
 
 
 def attention_env(sched, axes: str, shape) -> Env:

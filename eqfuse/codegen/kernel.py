@@ -156,8 +156,9 @@ RUNTIME_SIZES = {"pointwise": ("xnumel", "X"), "reduction": ("R",), "matmul": ("
 
 
 def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
-    if any(n.op == "reduce" for n in spec.walk()):
-        raise Unschedulable("a reduction in a matmul kernel")
+    reductions = [n.eclass for n in spec.walk() if n.op == "reduce"]
+    if reductions:
+        raise Unschedulable("a reduction in a matmul kernel", store=reductions)
     forms = {(d.shape, d.args[0].shape[-1], d.args[0].dtype) for d in dots}
     if len(forms) != 1:
         raise Unschedulable("matmuls of different shapes in one kernel")

@@ -107,15 +107,7 @@ def kernel_bytes(spec: KernelSpec, buffers: dict) -> int:
 
 
 OPERAND_TILE = 128  # a matmul operand is computed once per output tile it meets
-# An attention kernel's keys and values stream through its inner loop: pointwise work on
-# them (a rotary embedding applied to k inside the kernel) runs between each tile's load
-# and its product, once per query tile, in series with the tensor cores, where a plain
-# load's latency is hidden by the pipeline. Measured on an H100 (Llama layer, hidden 2048,
-# head dim 128, 4 x 2048 tokens): k's rotary in the attention kernel took 373 us over the
-# plain kernel and the rotary kernel together, about 4 times what the pointwise rate gives
-# for its work. At weight 4 the rotary stays a kernel of its own at every length, and the
-# layer ran 8-11% faster at 512 and 1024 tokens (benchmarks/streamed_work_probe.py).
-STREAMED_WORK = 4.0
+# (An attention kernel's keys and values are read as stored: codegen/attention.py.)
 
 
 # On Hopper the flash template (codegen/flash.py) runs an attention kernel of the plain
@@ -139,16 +131,14 @@ def attention_slowdown(sched) -> float:
 
 def kernel_compute(spec: KernelSpec, computed_sides: tuple = ()) -> float:
     """Pointwise work, in cost units. A matmul's operand (prologue) counts once per output
-    tile that reads it: about N / 128 times for the left operand, M / 128 for the right;
-    in an attention kernel, the right operands (keys, values) count STREAMED_WORK times
-    more. The operands on ``computed_sides`` (0: left, 1: right) count nothing: the tile
-    model times their work (``Schedule.gathered_sides``, codegen/tiles.py)."""
-    streamed = STREAMED_WORK if any(n.op == "expdot" for n in spec.walk()) else 1.0
+    tile that reads it: about N / 128 times for the left operand, M / 128 for the right.
+    The operands on ``computed_sides`` (0: left, 1: right) count nothing: the tile model
+    times their work (``Schedule.gathered_sides``, codegen/tiles.py)."""
     repeat: dict[int, float] = {}
     for d in (n for n in spec.walk() if n.op in ("dot", "expdot")):
         m, n_ = d.shape[-2], d.shape[-1]
         for operand, times in ((d.args[0], math.ceil(n_ / OPERAND_TILE)),
-                               (d.args[1], math.ceil(m / OPERAND_TILE) * streamed)):
+                               (d.args[1], math.ceil(m / OPERAND_TILE))):
             for x in operand.walk():
                 repeat[id(x)] = max(repeat.get(id(x), 1), times)
         for side in computed_sides:

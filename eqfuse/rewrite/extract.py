@@ -315,7 +315,7 @@ class Extractor:
                 state = rerouted
                 unfused = evaluate(set(forced) | set(candidates), {})
                 continue
-            trials = [(evaluate(M | {c}, host, state), c) for c in inside]
+            trials = [(evaluate(M | {c}, host, state), c) for c in self._repair_candidates(state.reasons[bad], inside)]
             state, c = self._repair_choice(trials, bad, memo)
             M = M | {c}
         # Improve: materialise or fuse one value at a time while the modelled time drops.
@@ -386,6 +386,14 @@ class Extractor:
         self._index_only.clear()
         self._kernels.clear()
 
+    def _repair_candidates(self, reason: Unschedulable, inside: list) -> list:
+        """The values a repair tries to store, of those ``inside`` an unschedulable kernel:
+        those the code generator names (a matmul kernel's reductions, an attention kernel's
+        computed keys), else all of them. Trying every value each round made T5's training
+        backward weigh 244 trial plans a round, round after round (20 GB of kernels)."""
+        named = [c for c in inside if c in reason.store]
+        return named or inside
+
     def _repair_choice(self, trials: list, bad, memo) -> tuple[_State, str]:
         """Of the trial plans (each with the class it materialises), the one where the kernel
         ``bad`` can be scheduled, then with the fewest unschedulable kernels, then the
@@ -448,10 +456,10 @@ class Extractor:
             memo[key] = self._kernel_time(spec, buffers)
         t, reason, checked = memo[key]
         if loads & {c, *extra}:
-            t, reason, checked = math.inf, "reads a buffer it writes", True
+            t, reason, checked = math.inf, Unschedulable("reads a buffer it writes"), True
         return _KernelEval(extra, spec, inline, loads, reads, t, reason, frozenset(inline) | loads, key, checked)
 
-    def _kernel_time(self, spec, buffers) -> tuple[float, str | None, bool]:
+    def _kernel_time(self, spec, buffers) -> tuple[float, Unschedulable | None, bool]:
         """(modelled microseconds, None, False) for a kernel the scheduler takes, or (inf,
         why, True) for one it refuses. The third item says whether the verdict is final:
         the source writer refuses some forms the scheduler takes, and writing is costly, so
@@ -459,7 +467,7 @@ class Extractor:
         try:
             sched = schedule_of(spec)
         except Unschedulable as e:
-            return math.inf, str(e), True
+            return math.inf, e, True
         passes = 1 if sched.kind == "pointwise" or sched.persistent else \
             1 + sum(1 for n in spec.walk() if n.op == "reduce")
         return kernel_time_us(spec, buffers, self.device, passes, sched), None, False
@@ -479,7 +487,7 @@ class Extractor:
                     try:
                         generate(k.spec, buffers)
                     except Unschedulable as e:
-                        t, reason = math.inf, str(e)
+                        t, reason = math.inf, e
                     memo[k.key] = (t, reason, True)
                 k = replace(k, time=t, reason=reason, checked=True)
             out.add(c, k)
@@ -765,7 +773,7 @@ class _KernelEval:
     loads: set  # the materialised classes it reads
     reads: set  # the buffer names it reads
     time: float  # modelled microseconds; inf where it cannot be scheduled
-    reason: str | None  # why it cannot be scheduled
+    reason: Unschedulable | None  # why it cannot be scheduled
     looked_at: frozenset  # the classes whose membership of M decided its form
     key: tuple  # its entry in the extraction's memo of kernel costs
     checked: bool  # whether ``reason`` is final (its source was written, or it was refused)
@@ -780,7 +788,7 @@ class _State:
         self.cost = 0.0
         self.kernels: dict[str, _KernelEval] = {}
         self.invalid: list[str] = []  # roots of kernels that cannot be scheduled, in order
-        self.reasons: dict[str, str] = {}
+        self.reasons: dict[str, Unschedulable] = {}
         self.specs, self.reads, self.inline_sets = {}, {}, {}
         self.loaders: dict[str, list[str]] = {}  # materialised class -> the kernels reading it
         self._acyclic: bool | None = None
