@@ -249,6 +249,37 @@ def test_a_half_precision_output_that_is_rounding_noise_is_judged_against_float6
     assert (got.double() - exact).norm() <= 2 * (eager.double() - exact).norm() + 1e-3
 
 
+@torch.library.custom_op("eqfuse_test::without_float64", mutates_args=())
+def _without_float64(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float64:
+        raise RuntimeError("no float64 kernel")  # as CUDA's _grouped_mm (Mixtral's experts)
+    return x.clone()
+
+
+_without_float64.register_fake(torch.empty_like)
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_without_float64_rounding_noise_is_judged_against_float32(widen, monkeypatch):
+    """An op with no float64 kernel in the graph: the wide evaluation runs in float32. An
+    output in float32 computed from bf16 values is judged so too."""
+    def noise(x, w):
+        x = _without_float64(x)
+        out = (x.softmax(-1) * w).sum(-1) - ((x + 1.0).softmax(-1) * w).sum(-1)
+        return out.float() if widen else out
+    references = []
+    wide_outputs = validate._wide_outputs
+    monkeypatch.setattr(validate, "_wide_outputs", lambda *a: references.append(wide_outputs(*a)) or references[-1])
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    compiled = eqfuse.compile(noise, (x, w))
+    assert [r[0].dtype for r in references] == [torch.float32], "the example no longer tests the wide verdict"
+    assert compiled.kernels and all(f.node != "<graph>" for f in compiled.fallbacks), compiled.explain()
+    exact = noise(x.float(), w.float())
+    got, eager = compiled(x, w), noise(x, w)
+    assert (got.double() - exact).norm() <= 2 * (eager.double() - exact).norm() + 1e-3
+
+
 def test_against_float64_a_wrong_half_precision_output_still_fails():
     expected = [torch.randn(64, dtype=torch.bfloat16)]
     exact = [expected[0].double()]
