@@ -222,6 +222,40 @@ def test_scatter_of_one_index_per_row_is_a_select():
     torch.testing.assert_close(c(base, index, src), f(base, index, src), equal_nan=True)
 
 
+@pytest.mark.parametrize("reduce", ["any", "all"])
+@pytest.mark.parametrize("dims, keepdim", [(-1, False), (0, True), ((0, 2), False), (None, False)])
+def test_any_and_all_are_reductions(reduce, dims, keepdim):
+    """NaN, infinities, -0.0 and denormals among the values; rows of zeros, of nonzeros and
+    of -0.0 (which is zero); integers and bools too. ViT's safe softmax and T5's overflow
+    check ran them in eager."""
+    x = _with_specials((6, 5, 4))
+    x[1] = 0.0
+    x[2] = -0.0
+    x[3, :, 1] = 1.0
+    inputs = (x, (x * 3).to(torch.int64), x > 0)
+
+    def f(x, n, b):
+        outs = []
+        for v in (x, n, b):
+            r = getattr(torch, reduce)(v) if dims is None else getattr(torch, reduce)(v, dims, keepdim=keepdim)
+            outs.append(r)
+        return outs
+    c = eqfuse.compile(f, inputs)
+    assert c.kernels and not c.fallbacks, c.explain()
+    for got, want in zip(c(*inputs), f(*inputs)):
+        assert got.dtype == torch.bool and torch.equal(got, want)
+
+
+def test_any_over_no_elements_is_false_and_all_is_true():
+    x = torch.randn(3, 0, 4)
+
+    def f(x):
+        return x.any(1), x.all(1), x.any(-1)
+    c = eqfuse.compile(f, (x,))
+    for got, want in zip(c(x), f(x)):
+        assert torch.equal(got, want)
+
+
 def test_gather_and_scatter_of_several_indices_per_row_run_in_eager_with_the_reason():
     x, index = torch.randn(4, 9), torch.randint(0, 9, (4, 3))
     c = eqfuse.compile(lambda x, i: x.gather(1, i) + 1, (x, index))

@@ -710,6 +710,21 @@ def _amax(tr, node, x, dims=None, keepdim=False):
     return _reduce(tr, x, dims, keepdim, op, dt, shape)[0]
 
 
+@handles(aten.any, aten.all)
+def _any_all(tr, node, x, dims=None, keepdim=False):
+    """any: the count of nonzero elements is nonzero; all: the count of zeros is zero.
+    Counted in float32 (exact to 2^24, and a count never returns to 0), so that a NaN is
+    true, as in torch, and a reduction over no elements gives any False and all True
+    (a max of flags would give -inf there)."""
+    shape, _ = _out(node)
+    dims, keepdim = _reduce_args(node, x, dims, keepdim)
+    t = tr.t
+    test = "ne" if node.target.overloadpacket is aten.any else "eq"
+    flags = tr.mk(t.Binary(test, tr.operand(x, x.shape, "float32"), tr.const(0, "float32")), "bool", tuple(x.shape))
+    count, _ = _reduce(tr, Computed(flags, tuple(x.shape), "bool"), dims, keepdim, "sum", "float32", shape)
+    return Computed(tr.mk(t.Binary(test, count.term, tr.const(0, "float32")), "bool", shape), shape, "bool")
+
+
 @handles(aten.mean)
 def _mean(tr, node, x, dims=None, keepdim=False, dtype=None):
     shape, dt = _out(node)
