@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from conftest import assert_matches
 
 import eqfuse
+from eqfuse.schema import ops
 
 X = (5, 12)
 
@@ -73,6 +74,65 @@ def test_op(name):
     compiled = eqfuse.compile(fn, inputs)
     assert compiled.fallbacks == [], compiled.fallbacks
     assert_matches(compiled(*inputs), fn(*inputs))
+
+
+@pytest.mark.parametrize("name", sorted(ops.UNARY))
+def test_unary_op_on_special_values(name):
+    """Each unary op's Triton form against torch on NaN, infinities, signed zeros,
+    denormals, the largest floats and ordinary values: NaN where torch has NaN, zeros of
+    torch's sign, values to float32 rounding."""
+    op = ops.UNARY[name]
+    x = torch.tensor(SPECIAL + [0.3, -0.3, 1e-6, -1e-6, 1e-30, 3e38, -3e38, 20.0, -20.0, 100.0, -100.0])
+    c = eqfuse.compile(lambda x: op.torch_fn(x), (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), op.torch_fn(x)
+    assert torch.equal(got.isnan(), want.isnan()), (x, got, want)
+    if want.dtype.is_floating_point:
+        zeros = want == 0
+        assert torch.equal(torch.signbit(got[zeros]), torch.signbit(want[zeros])), (x, got, want)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-37, equal_nan=True)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_maximum_minimum_and_clamp_return_nan_from_either_side():
+    nan = float("nan")
+    x, y = torch.tensor([nan, 1.0, 2.0, nan, 5.0]), torch.tensor([1.0, nan, 3.0, nan, -5.0])
+
+    def f(x, y):
+        return torch.maximum(x, y), torch.minimum(x, y), x.clamp(0.5, 1.5), torch.maximum(y, x)
+    c = eqfuse.compile(f, (x, y))
+    assert c.kernels and not c.fallbacks, c.explain()
+    for got, want in zip(c(x, y), f(x, y)):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+@pytest.mark.parametrize("cols", [5, 3000])  # a row in registers, a row in a loop
+def test_amax_and_amin_return_nan_where_a_row_holds_one(reduce, cols):
+    x = torch.randn(4, cols)
+    x[0, 1] = float("nan")
+    x[2, -1] = float("nan")
+    x[3] = float("-inf") if reduce == "amax" else float("inf")
+
+    def f(x):
+        return getattr(x, reduce)(-1), getattr(x, reduce)(0)
+    c = eqfuse.compile(f, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    for got, want in zip(c(x), f(x)):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("e", [1.5, -1.5, 0.5, -0.5, 2.5])
+def test_fractional_powers_at_infinities_zeros_and_negatives(e):
+    x = torch.tensor([-float("inf"), float("inf"), 0.0, -0.0, -2.0, 4.0, float("nan"), 1e-40])
+    c = eqfuse.compile(lambda x: x ** e, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), x ** e
+    numbers = ~want.isnan()
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    assert torch.equal(torch.signbit(got[numbers]), torch.signbit(want[numbers])), (got, want)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-6, atol=0)
 
 
 def test_fp16_compute_is_float32_inside_kernels():

@@ -8,25 +8,57 @@ import eqfuse
 from eqfuse.examples import EXAMPLES
 from eqfuse.rewrite.rules import ALGEBRA, CAST_ROUNDTRIPS, MATMUL, SOFTMAX, TorchBuilder, catalogue, rulesets
 
+# Special values: NaN, infinities, signed zeros, denormals (of float64 and float32), the
+# largest finite values, and numbers whose products or sums overflow or cancel.
+SPECIALS = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 5e-324, -5e-324, 1e-40, -1e-40,
+            torch.finfo(torch.float64).max, -torch.finfo(torch.float64).max, torch.finfo(torch.float32).max,
+            1.0, -1.0, 0.5, 2.0]
+
 
 def _draw(domain, gen):
-    x = torch.randn(64, dtype=torch.float64, generator=gen, device="cpu") * 3
-    if domain == "pos":
-        return x.abs() + 0.1
+    """64 random values of the domain, then its special values, 64 of them in a rotated
+    order (each variable its own) so that pairs of specials meet."""
     if domain == "bool":
-        return torch.rand(64, generator=gen, device="cpu") > 0.5
-    return x
+        return torch.rand(128, generator=gen, device="cpu") > 0.5
+    x = torch.randn(64, dtype=torch.float64, generator=gen, device="cpu") * 3
+    specials = torch.tensor(SPECIALS, dtype=torch.float64)
+    if domain == "pos":
+        x, specials = x.abs() + 0.1, specials[(specials > 0) | specials.isnan()]
+    shift = int(torch.randint(len(specials), (), generator=gen))
+    return torch.cat([x, specials.roll(shift).repeat(64 // len(specials) + 1)[:64]])
+
+
+# torch.maximum's zero sign differs between its scalar and vectorised CPU paths (IEEE
+# leaves max(-0.0, +0.0) open): the rules over it are not held to a sign of zero.
+ZERO_SIGN_OPEN = {"max-zero-relu"}
+
+
+def _assert_same(lhs, rhs, zero_sign=True):
+    """Equal to rounding, NaN where the other is NaN, and zeros of the same sign."""
+    lhs, rhs = torch.broadcast_tensors(*(torch.as_tensor(v, dtype=torch.float64) for v in (lhs, rhs)))
+    assert torch.equal(lhs.isnan(), rhs.isnan()), (lhs, rhs)
+    if zero_sign:
+        assert torch.equal(torch.signbit(lhs[lhs == 0]), torch.signbit(rhs[lhs == 0])), (lhs, rhs)
+    torch.testing.assert_close(lhs, rhs, rtol=1e-12, atol=1e-300, equal_nan=True)
 
 
 @pytest.mark.parametrize("rule", ALGEBRA, ids=lambda r: r.name)
 def test_algebra_rule_is_sound(rule):
-    gen = torch.Generator(device="cpu").manual_seed(hash(rule.name) % 2**31)
+    gen = torch.Generator(device="cpu").manual_seed(sum(map(ord, rule.name)))
     for _ in range(5):
         domains = rule.domains or ("any",) * rule.arity
         xs = [_draw(d, gen) for d in domains]
         lhs, rhs = rule.pattern(TorchBuilder(), *xs)
-        torch.testing.assert_close(torch.as_tensor(lhs, dtype=torch.float64),
-                                   torch.as_tensor(rhs, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+        _assert_same(lhs, rhs, zero_sign=rule.name not in ZERO_SIGN_OPEN)
+
+
+def test_adding_zero_is_no_rule_negative_zero_would_lose_its_sign():
+    """1 / (x + 0) at x = -0.0 is +inf in eager: the sum must stay."""
+    assert "add-zero" not in {r.name for r in ALGEBRA}
+    x = torch.tensor([-0.0, 0.0, 3.0])
+    c = eqfuse.compile(lambda x: 1.0 / (x + 0.0), (x,))
+    assert not c.fallbacks, c.explain()
+    assert torch.equal(c(x), torch.tensor([float("inf"), float("inf"), 1 / 3]))
 
 
 @pytest.mark.parametrize("rule", MATMUL, ids=lambda r: r.name)

@@ -155,6 +155,16 @@ MAX_GRID_Y = 65535
 RUNTIME_SIZES = {"pointwise": ("xnumel", "X"), "reduction": ("R",), "matmul": ("M", "N"), "attention": ("M", "N")}
 
 
+def _row_reduction(fn: str, tile: str, nan_aware: bool) -> str:
+    """``fn`` over the rows of ``tile``. Triton's max and min skip NaN (max.f32 on a GPU,
+    fmax in the interpreter); torch's amax and amin return it: ``nan_aware`` puts it back
+    where a row holds one."""
+    reduced = f"{fn}({tile}, 1)[:, None]"
+    if not nan_aware:
+        return reduced
+    return f"tl.where(tl.max(({tile} != {tile}).to(tl.int8), 1)[:, None] > 0, float('nan'), {reduced})"
+
+
 def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
     reductions = [n.eclass for n in spec.walk() if n.op == "reduce"]
     if reductions:
@@ -559,7 +569,12 @@ class KernelWriter:
             if int(e) % 2 == 0:
                 return mag
             return self.assign(f"tl.where({a.expr} < 0, -{mag.expr}, {mag.expr})", a.axes)
-        return self.assign(f"tl.exp2({e!r} * tl.log2({a.expr}))", a.axes)
+        if e in (0.5, -0.5):  # torch takes these as sqrt and rsqrt (-0.0 ** 0.5 is -0.0)
+            return self.assign(f"tl.{'sqrt' if e > 0 else 'rsqrt'}({a.expr})", a.axes)
+        # -inf ** e is +inf (e > 0) or +0 (e < 0) for a fractional e, as C's pow has it
+        at_minus_inf = "0.0" if e < 0 else "float('inf')"
+        return self.assign(f"tl.where({a.expr} == -float('inf'), {at_minus_inf}, "
+                           f"tl.exp2({e!r} * tl.log2({a.expr})))", a.axes)
 
     def _emit_where(self, node, env):
         c, a, b = (self.emit(x, env) for x in node.args)
@@ -824,12 +839,15 @@ class KernelWriter:
         fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
         acc_dt = compute_dtype(node.dtype)
         cm = self.mask(frozenset("c"))
+        nan_aware = op in ("max", "min") and ops.is_float(node.dtype)
         if self.s.persistent:
             v = self.emit(node.args[0], full)
             masked = f"tl.where({cm}, {v.expr}, {neutral})" if cm else v.expr
             if "c" not in v.axes:  # constant along the row: broadcast before reducing
                 masked = f"tl.where(tl.full([1, BLOCK_C], 1, tl.int1), {v.expr}, {neutral})" if not cm else masked
-            return self.assign(f"{fn}({masked}, 1)[:, None]", frozenset("r"), "red")
+            if nan_aware:
+                masked = self.assign(masked, v.axes | frozenset("rc")).expr
+            return self.assign(_row_reduction(fn, masked, nan_aware), frozenset("r"), "red")
         # Looped: inner reductions first, at row scope, then one pass over the row.
         if self.loop is not None:
             raise Unschedulable("nested reduction loop")
@@ -840,11 +858,12 @@ class KernelWriter:
         self.open_loop()
         v = self.emit(node.args[0], full)
         masked = f"tl.where({cm}, {v.expr}, {neutral})" if cm else v.expr
-        combine = {"sum": f"{acc} + {masked}", "max": f"tl.maximum({acc}, {masked})",
-                   "min": f"tl.minimum({acc}, {masked})"}[op]
+        nan = ", propagate_nan=tl.PropagateNan.ALL" if nan_aware else ""
+        combine = {"sum": f"{acc} + {masked}", "max": f"tl.maximum({acc}, {masked}{nan})",
+                   "min": f"tl.minimum({acc}, {masked}{nan})"}[op]
         self.loop.append(f"{acc} = {combine}")
         self.close_loop()
-        return self.assign(f"{fn}({acc}, 1)[:, None]", frozenset("r"), "red")
+        return self.assign(_row_reduction(fn, acc, nan_aware), frozenset("r"), "red")
 
     def open_loop(self):
         self.loop = []

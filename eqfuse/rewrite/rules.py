@@ -45,7 +45,7 @@ def _b(k, op, x, y):
 ALGEBRA: list[AlgebraRule] = [
     AlgebraRule("mul-one", 1, lambda k, x: (_b(k, "mul", x, k.const(1.0)), x)),
     AlgebraRule("one-mul", 1, lambda k, x: (_b(k, "mul", k.const(1.0), x), x)),
-    AlgebraRule("add-zero", 1, lambda k, x: (_b(k, "add", x, k.const(0.0)), x)),
+    # (No x + 0 -> x: -0.0 + 0.0 is +0.0. x - 0 -> x holds for -0.0 too.)
     AlgebraRule("sub-zero", 1, lambda k, x: (_b(k, "sub", x, k.const(0.0)), x)),
     AlgebraRule("div-one", 1, lambda k, x: (_b(k, "div", x, k.const(1.0)), x)),
     AlgebraRule("neg-neg", 1, lambda k, x: (_u(k, "neg", _u(k, "neg", x)), x)),
@@ -166,6 +166,8 @@ class TorchBuilder:
         return ops.UNARY[op].torch_fn(x)
 
     def binary(self, op, x, y):
+        if op == "pow" and y.dim() == 0:  # a constant exponent, as the graph has it (0.5 is sqrt in torch)
+            y = y.item()
         return ops.BINARY[op].torch_fn(torch.as_tensor(x, dtype=torch.float64, device="cpu"), y)
 
     def where(self, c, x, y):

@@ -22,19 +22,21 @@ class OpDef:
 
 
 def _tanh_triton() -> str:
-    # 2*sigmoid(2x)-1: exact to float32 rounding, and portable to the interpreter.
-    return "(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)"
+    # 2*sigmoid(2x)-1: exact to float32 rounding, and portable to the interpreter; below
+    # 2^-12, where x^3/3 is under float32's rounding of x, x itself (its cancellation there
+    # would lose x's digits, and -0.0's sign).
+    return "tl.where(tl.abs({a}) < 2.44140625e-4, {a}, 2.0 * tl.sigmoid(2.0 * {a}) - 1.0)"
 
 
 UNARY: dict[str, OpDef] = {op.name: op for op in [
-    OpDef("neg", torch.neg, "(-{a})", 0.5),
+    OpDef("neg", torch.neg, "({a} * -1)", 0.5),  # Triton's -x is 0 - x: -(+0.0) would be +0.0
     OpDef("exp", torch.exp, "tl.exp({a})", 2),
     OpDef("log", torch.log, "tl.log({a})", 2),
     OpDef("sqrt", torch.sqrt, "tl.sqrt({a})", 2),
     OpDef("rsqrt", torch.rsqrt, "tl.rsqrt({a})", 2),
     OpDef("tanh", torch.tanh, _tanh_triton(), 3),
     OpDef("sigmoid", torch.sigmoid, "tl.sigmoid({a})", 3),
-    OpDef("relu", torch.relu, "tl.maximum({a}, 0)", 0.5),
+    OpDef("relu", torch.relu, "tl.where({a} < 0, 0, {a})", 0.5),  # as torch: NaN and -0.0 pass
     OpDef("abs", torch.abs, "tl.abs({a})", 0.5),
     OpDef("erf", torch.erf, "tl.erf({a})", 3),
     OpDef("sin", torch.sin, "tl.sin({a})", 3),
@@ -42,11 +44,14 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("floor", torch.floor, "tl.floor({a})", 0.5),
     OpDef("ceil", torch.ceil, "tl.ceil({a})", 0.5),
     OpDef("reciprocal", torch.reciprocal, "(1.0 / {a})", 1),
-    # log(u) * x / (u - 1) with u = 1 + x corrects the rounding of 1 + x (Goldberg's trick).
+    # log(u) * (x / (u - 1)) with u = 1 + x corrects the rounding of 1 + x (Goldberg's
+    # trick); the ratio first, so that log(u) * x cannot overflow (x = 3e38), and u = inf
+    # is inf (the ratio would be inf / inf).
     OpDef("log1p", torch.log1p,
-          "tl.where({a} + 1.0 == 1.0, {a}, tl.log({a} + 1.0) * {a} / (({a} + 1.0) - 1.0))", 3),
-    OpDef("expm1", torch.expm1,
-          "tl.where(tl.abs({a}) < 1e-5, {a} + 0.5 * {a} * {a}, tl.exp({a}) - 1.0)", 3),
+          "tl.where({a} + 1.0 == 1.0, {a}, tl.where({a} + 1.0 == float('inf'), {a} + 1.0, "
+          "tl.log({a} + 1.0) * ({a} / (({a} + 1.0) - 1.0))))", 3),
+    OpDef("expm1", torch.expm1,  # x (1 + x / 2) near 0: -0.0 keeps its sign
+          "tl.where(tl.abs({a}) < 1e-5, {a} * (1.0 + 0.5 * {a}), tl.exp({a}) - 1.0)", 3),
     OpDef("not", torch.logical_not, "({a} == 0)", 0.5),
     OpDef("isnan", torch.isnan, "({a} != {a})", 0.5),
     OpDef("isinf", torch.isinf, "(tl.abs({a}) == float(\"inf\"))", 0.5),
@@ -58,8 +63,10 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("mul", torch.mul, "({a} * {b})"),
     OpDef("div", torch.div, "({a} / {b})", 1.5),
     OpDef("pow", torch.pow, "", 4),  # written by the code generator (constant exponents)
-    OpDef("maximum", torch.maximum, "tl.maximum({a}, {b})"),
-    OpDef("minimum", torch.minimum, "tl.minimum({a}, {b})"),
+    # NaN from either side, as torch has it (Triton's maximum is a GPU's max.f32, which
+    # returns the other operand; propagate_nan has no Gluon spelling for the templates)
+    OpDef("maximum", torch.maximum, "tl.where({a} != {a}, {a}, tl.where({b} != {b}, {b}, tl.maximum({a}, {b})))"),
+    OpDef("minimum", torch.minimum, "tl.where({a} != {a}, {a}, tl.where({b} != {b}, {b}, tl.minimum({a}, {b})))"),
     OpDef("eq", torch.eq, "({a} == {b})"),
     OpDef("ne", torch.ne, "({a} != {b})"),
     OpDef("lt", torch.lt, "({a} < {b})"),
