@@ -62,6 +62,51 @@ def test_unknown_option_is_a_clear_error():
         eqfuse.compile(lambda x: x, (torch.randn(3),), max_nodes=3)
 
 
+@pytest.mark.parametrize("bad", [None, 3, 2.5, [1.0, 2.0], "x"])
+def test_calling_with_a_non_tensor_names_the_input(bad):
+    x = torch.randn(4, 8)
+    c = eqfuse.compile(lambda x, y: x * y, (x, x))
+    with pytest.raises(EqfuseError, match=rf"input 1 is a {type(bad).__name__}: a compiled graph takes tensors"):
+        c(x, bad)
+
+
+def test_a_bare_tensor_as_example_inputs_is_a_clear_error():
+    with pytest.raises(EqfuseError, match=r"example_inputs is a Tensor; pass a tuple"):
+        eqfuse.compile(lambda x: x * 2, torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("max_enodes", "many", "expected a positive number"), ("max_seconds", -1, "expected a positive number"),
+    ("max_enodes", True, "expected a positive number"), ("autotune", "yes", "expected True or False"),
+    ("rules", ("nonexistent",), r"unknown ruleset\(s\) \['nonexistent'\]; known: algebra, fusion, views"),
+])
+def test_an_option_of_the_wrong_kind_is_named(option, value, message):
+    with pytest.raises(EqfuseError, match=rf"option {option}=.*: {message}"):
+        eqfuse.compile(lambda x: x * 2, (torch.randn(4, 8),), **{option: value})
+
+
+def test_a_returned_shape_is_a_torch_size():
+    x = torch.randn(3, 4)
+    c = eqfuse.compile(lambda x: (x * 2, {"shape": x.shape}, [x.shape[1:]]), (x,))
+    _, shapes, (tail,) = c(x)
+    assert type(shapes["shape"]) is torch.Size and shapes["shape"] == x.shape
+    assert type(tail) is torch.Size and tail == (4,)
+
+
+@pytest.mark.parametrize("shape", [(1,), ()])
+def test_logical_ops_with_a_one_element_operand(shape):
+    """A bool of one element broadcast against a block: Triton's interpreter refused & on them."""
+    a, b = torch.randn(shape), torch.randn(5)
+
+    def f(a, b):
+        return (a > 0) & (b > 0), (a > 0) | (b > 0), (a > 0) ^ (b > 0), torch.logical_and(b > 0, a < 0)
+    for sign in (1, -1):
+        c = eqfuse.compile(f, (a * sign, b))
+        assert c.kernels and not c.fallbacks, c.explain()
+        for got, want in zip(c(a * sign, b), f(a * sign, b)):
+            assert torch.equal(got, want)
+
+
 def test_inplace_op_runs_whole_graph_in_eager():
     def f(x):
         y = x * 2

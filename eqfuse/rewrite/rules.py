@@ -427,8 +427,11 @@ def _views_ruleset():
     )
 
 
+RULESET_NAMES = ("algebra", "fusion", "views")
+
+
 def rulesets():
-    """The rulesets, built anew for each e-graph.
+    """The rulesets (by the names in RULESET_NAMES), built anew for each e-graph.
 
     Cheap to build, and a ruleset object is then never shared between e-graphs.
     """

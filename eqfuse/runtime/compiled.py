@@ -54,6 +54,24 @@ class Options:
     # (GPU only; codegen/library.py; EQFUSE_CUBLAS=0 turns it off)
     cublas: bool = True
 
+    def __post_init__(self):
+        """Options of the wrong kind are named here, not met deep inside a compile."""
+        from ..rewrite.rules import RULESET_NAMES
+
+        for name in ("max_enodes", "max_seconds", "cuda_graphs_under_us"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise EqfuseError(f"option {name}={value!r}: expected a positive number")
+        for name in ("autotune", "validate", "cuda_graphs", "parallel_compile", "plan_cache", "cublas"):
+            if not isinstance(getattr(self, name), bool):
+                raise EqfuseError(f"option {name}={getattr(self, name)!r}: expected True or False")
+        rules = (self.rules,) if isinstance(self.rules, str) else self.rules
+        unknown = [r for r in rules if r not in RULESET_NAMES] if isinstance(rules, (tuple, list)) else [rules]
+        if unknown:
+            raise EqfuseError(f"option rules={self.rules!r}: unknown ruleset(s) {unknown}; "
+                              f"known: {', '.join(RULESET_NAMES)}")
+        self.rules = tuple(rules)
+
     @classmethod
     def make(cls, **kw):
         unknown = set(kw) - set(cls.__dataclass_fields__)
@@ -75,6 +93,16 @@ def _signature(tensors) -> tuple:
     return tuple(sig)
 
 
+def _checked_signature(inputs) -> tuple:
+    """``_signature(inputs)``, or an error that names the input that is not a tensor."""
+    try:
+        return _signature(inputs)
+    except AttributeError:
+        i, x = next((i, x) for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor))
+        raise EqfuseError(f"input {i} is a {type(x).__name__}: a compiled graph takes tensors, as its "
+                          "example inputs were (bind other arguments with functools.partial)") from None
+
+
 class CompiledGraph:
     """A function compiled for the shapes, dtypes and strides of its example inputs.
 
@@ -85,6 +113,9 @@ class CompiledGraph:
         self.fn = fn
         self.options = options
         self._variants: dict[tuple, _Variant] = {}
+        if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
+            raise EqfuseError(f"example_inputs is a {type(example_inputs).__name__}; pass a tuple or list "
+                              "of the function's inputs, e.g. (x,)")
         example_inputs = tuple(example_inputs)
         self._main = self._variant(example_inputs)
 
@@ -131,14 +162,14 @@ class CompiledGraph:
         return inspect_graph(self, directory, arch)
 
     def __call__(self, *inputs):
-        variant = self._variants.get(_signature(inputs)) or self._new_variant(inputs)
+        variant = self._variants.get(_checked_signature(inputs)) or self._new_variant(inputs)
         return variant.run(*inputs)
 
     def call_boxed(self, args: list):
         """``self(*args)`` for a list, which it empties: each input is let go of after its
         last use, where the caller holds no other reference to it (AOTAutograd hands a
         backward its saved activations so). Dynamo's backend calls graphs this way."""
-        variant = self._variants.get(_signature(args)) or self._new_variant(tuple(args))
+        variant = self._variants.get(_checked_signature(args)) or self._new_variant(tuple(args))
         return variant.run_boxed(args)
 
     def _new_variant(self, inputs: tuple):
@@ -395,7 +426,29 @@ def _unflattener(spec) -> Callable:
     """flat outputs -> the function's output structure; a tuple without pytree's walk."""
     if spec.type is tuple and spec.num_leaves == spec.num_children:
         return tuple
+    if _holds_size(spec):
+        return lambda flat: _with_sizes(pytree.tree_unflatten(flat, spec), spec)
     return lambda flat: pytree.tree_unflatten(flat, spec)
+
+
+def _children(spec) -> list:
+    """A TreeSpec's child specs (``children()`` from torch 2.12; ``children_specs`` before)."""
+    return list(spec.children()) if hasattr(spec, "children") else spec.children_specs
+
+
+def _holds_size(spec) -> bool:
+    return spec.type is torch.Size or any(_holds_size(c) for c in _children(spec))
+
+
+def _with_sizes(value, spec):
+    """``value`` with its torch.Size back: torch's pytree unflattens one as a tuple."""
+    if spec.type is torch.Size:
+        return torch.Size(value)
+    if spec.type in (tuple, list):
+        return spec.type(_with_sizes(v, c) for v, c in zip(value, _children(spec)))
+    if spec.type is dict:
+        return {k: _with_sizes(value[k], c) for k, c in zip(spec.context, _children(spec))}
+    return value
 
 
 def make_fallback_runner(step: FallbackStep) -> Callable:

@@ -73,9 +73,11 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("le", torch.le, "({a} <= {b})"),
     OpDef("gt", torch.gt, "({a} > {b})"),
     OpDef("ge", torch.ge, "({a} >= {b})"),
-    OpDef("and", torch.logical_and, "({a} & {b})"),
-    OpDef("or", torch.logical_or, "({a} | {b})"),
-    OpDef("xor", torch.logical_xor, "({a} ^ {b})"),
+    # On bools, as selects and a comparison: Triton's interpreter refuses & | ^ between a
+    # scalar bool (a broadcast value of one element) and a block of them
+    OpDef("and", torch.logical_and, "tl.where({a}, {b}, False)"),
+    OpDef("or", torch.logical_or, "tl.where({a}, True, {b})"),
+    OpDef("xor", torch.logical_xor, "({a} != {b})"),
     # On integers: bits (unpacking quantised weights).
     OpDef("bitand", torch.bitwise_and, "({a} & {b})", 0.5),
     OpDef("bitor", torch.bitwise_or, "({a} | {b})", 0.5),
