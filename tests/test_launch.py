@@ -207,6 +207,11 @@ def test_only_eager_steps_that_keep_to_the_stream_are_recorded():
     assert "dropout" in unrecordable([_step(flash, "q", "k", "v", dropout_p=0.5)])
     reason = unrecordable([_step(aten.index_select.default, "x", 0, "i"), _step(aten.nonzero.default, "x")])
     assert "nonzero" in reason and "wait for the GPU" in reason
+    fixed_size = [_step(aten.convolution.default, "x", "w", None, [16, 16], [0, 0], [1, 1], False, [0, 0], 1),
+                  _step(aten.cumsum.default, "x", 1), _step(aten.topk.default, "x", 2), _step(aten.sort.default, "x")]
+    assert unrecordable(fixed_size) is None
+    for host_reads in (aten.index.Tensor, aten.embedding_dense_backward.default):
+        assert "wait for the GPU" in unrecordable([*fixed_size, _step(host_reads, "x")])
 
 
 def _attention_with_lse(q, k, v):

@@ -36,13 +36,18 @@ log = logging.getLogger("eqfuse")
 # Eager ops a recording may hold: each only launches kernels on the current stream, with
 # its memory from the caching allocator, and never waits for the GPU (an op that reads a
 # result on the host, such as nonzero or .item(), or one that draws random numbers, is not
-# here). The attention ops draw random numbers only for dropout: recordable without it.
+# here: index.Tensor with a bool mask calls nonzero, the embedding's backward counts its
+# segments on the host). The attention ops draw random numbers only for dropout:
+# recordable without it. A recording that fails anyway runs kernel by kernel, with a warning.
 RECORDABLE_EAGER_OPS = frozenset({
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
     "embedding", "index_select", "gather",
-    "empty",  # a tensor with no elements (from_fx.EmptyTensor), from the caching allocator
+    # ViT's patch embedding (cuDNN, its workspace from the caching allocator); padding,
+    # scans, sorts and selections of a fixed size (OPT's positions, a mixture of experts' routing)
+    "convolution", "constant_pad_nd", "cumsum", "sort", "topk", "div",
+    "empty", "empty_permuted",  # allocations from the caching allocator (empty: from_fx.EmptyTensor)
 })
 
 _CONSTANTS = (type(None), bool, int, float)
