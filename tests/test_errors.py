@@ -107,6 +107,23 @@ def test_logical_ops_with_a_one_element_operand(shape):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_compiling_a_training_batchnorm_leaves_its_statistics_as_they_were(momentum):
+    """Compiling traces and checks the module; neither may advance its running statistics
+    (tracing on fake inputs added 1 to the real num_batches_tracked). Each call then
+    updates them as an eager call does."""
+    torch.manual_seed(0)
+    m = torch.nn.BatchNorm1d(4, momentum=momentum).train()
+    twin = torch.nn.BatchNorm1d(4, momentum=momentum).train()
+    x = torch.randn(8, 4)
+    c = eqfuse.compile(m, (x,))
+    for b, t in zip(m.buffers(), twin.buffers()):
+        assert torch.equal(b, t)
+    assert_matches(c(x), twin(x))
+    for b, t in zip(m.buffers(), twin.buffers()):
+        assert torch.equal(b, t)
+
+
 def test_inplace_op_runs_whole_graph_in_eager():
     def f(x):
         y = x * 2

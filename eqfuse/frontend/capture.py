@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,12 +159,32 @@ class CapturedGraph:
     fn: Callable | None = None  # the user's function, the reference for validation
 
     def reference_outputs(self, user_inputs) -> list:
-        """The flat outputs of the original function (before decomposition)."""
-        return pytree.tree_flatten(self.fn(*user_inputs))[0]
+        """The flat outputs of the original function (before decomposition), run with its
+        module's buffers as they were (validation must not advance a running statistic)."""
+        with buffers_kept(self.fn):
+            return pytree.tree_flatten(self.fn(*user_inputs))[0]
 
     @property
     def placeholders(self) -> list[torch.fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+@contextmanager
+def buffers_kept(fn):
+    """Runs the block with ``fn``'s module buffers restored after it: tracing a training-mode
+    BatchNorm on fake inputs still adds 1 to its real ``num_batches_tracked``, and a
+    validation run of the module would update its running statistics. Compiling never
+    changes the user's objects."""
+    if not isinstance(fn, torch.nn.Module):
+        yield
+        return
+    saved = [(b, b.detach().clone()) for b in fn.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def capture(fn: Callable, example_inputs) -> CapturedGraph:
@@ -194,8 +215,9 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # our error says it in one line
     try:
-        gm = make_fx(flat_fn, decomposition_table=decomposition_table(), tracing_mode="fake",
-                     _allow_non_fake_inputs=True)(*example_inputs)
+        with buffers_kept(fn):
+            gm = make_fx(flat_fn, decomposition_table=decomposition_table(), tracing_mode="fake",
+                         _allow_non_fake_inputs=True)(*example_inputs)
     except Exception as e:  # torch raises many kinds: report one clear line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(f"could not trace the function: {type(e).__name__}: {msg}") from e
