@@ -1,5 +1,7 @@
 """Bad input gets a clear error, or an eager fallback with a one-line reason."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import assert_matches
@@ -122,6 +124,28 @@ def test_compiling_a_training_batchnorm_leaves_its_statistics_as_they_were(momen
     assert_matches(c(x), twin(x))
     for b, t in zip(m.buffers(), twin.buffers()):
         assert torch.equal(b, t)
+
+
+def test_a_replaced_parameter_is_read_and_an_updated_one_too():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        c = eqfuse.compile(m, (x,))
+        m.weight.mul_(2.0)  # in place: the compiled graph reads the same tensor
+        assert_matches(c(x), m(x))
+        m.weight = torch.nn.Parameter(torch.randn(4, 8))  # replaced: compiled again
+        assert_matches(c(x), m(x))
+        assert c.kernels
+
+
+def test_compiling_a_module_that_needs_gradients_warns_that_none_are_computed():
+    m = torch.nn.Linear(8, 4)
+    with pytest.warns(UserWarning, match="eqfuse.compile computes no gradients"):
+        eqfuse.compile(m, (torch.randn(3, 8),))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqfuse.compile(m, (torch.randn(3, 8),))
 
 
 def test_inplace_op_runs_whole_graph_in_eager():

@@ -175,14 +175,18 @@ def buffers_kept(fn):
     BatchNorm on fake inputs still adds 1 to its real ``num_batches_tracked``, and a
     validation run of the module would update its running statistics. Compiling never
     changes the user's objects."""
-    if not isinstance(fn, torch.nn.Module):
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
+    if not buffers:
         yield
         return
-    saved = [(b, b.detach().clone()) for b in fn.buffers()]
+    with unset_fake_temporarily():  # dynamo's backend is called inside its fake mode
+        saved = [(b, b.detach().clone()) for b in buffers]
     try:
         yield
     finally:
-        with torch.no_grad():
+        with unset_fake_temporarily(), torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import operator
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +95,21 @@ def _signature(tensors) -> tuple:
     return tuple(sig)
 
 
+def _tensors_of(fn) -> list:
+    return [*fn.parameters(), *fn.buffers()] if isinstance(fn, torch.nn.Module) else []
+
+
+def _module_tensors(fn) -> list | None:
+    """The tensors a module holds, checked on each call (``_same_tensors``): a graph
+    compiled from a module reads its parameters as they were at compile time, so a
+    replaced one (``m.weight = nn.Parameter(...)``) compiles again. None for a function."""
+    return _tensors_of(fn) or None
+
+
+def _same_tensors(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 def _checked_signature(inputs) -> tuple:
     """``_signature(inputs)``, or an error that names the input that is not a tensor."""
     try:
@@ -117,6 +134,12 @@ class CompiledGraph:
             raise EqfuseError(f"example_inputs is a {type(example_inputs).__name__}; pass a tuple or list "
                               "of the function's inputs, e.g. (x,)")
         example_inputs = tuple(example_inputs)
+        self._module_tensors = _module_tensors(fn)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*example_inputs, *_tensors_of(fn))
+                                           if isinstance(t, torch.Tensor)):
+            warnings.warn("eqfuse.compile computes no gradients: its outputs do not require grad. Run it under "
+                          "torch.no_grad(), or train through torch.compile(model, backend=\"eqfuse\")",
+                          stacklevel=3)
         self._main = self._variant(example_inputs)
 
     # --- public face ---------------------------------------------------------------------------
@@ -162,8 +185,18 @@ class CompiledGraph:
         return inspect_graph(self, directory, arch)
 
     def __call__(self, *inputs):
+        if self._module_tensors is not None and not _same_tensors(_tensors_of(self.fn), self._module_tensors):
+            self._compile_again("a parameter or buffer of the module was replaced")
         variant = self._variants.get(_checked_signature(inputs)) or self._new_variant(inputs)
         return variant.run(*inputs)
+
+    def _compile_again(self, why: str) -> None:
+        """Drops every variant (they hold the module's tensors as they were) and compiles
+        the main one again."""
+        log.info("eqfuse: %s: compiling again", why)
+        self._variants.clear()
+        self._module_tensors = _module_tensors(self.fn)
+        self._main = self._variant(self._main.example_inputs)
 
     def call_boxed(self, args: list):
         """``self(*args)`` for a list, which it empties: each input is let go of after its
