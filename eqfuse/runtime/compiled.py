@@ -135,8 +135,9 @@ class CompiledGraph:
                               "of the function's inputs, e.g. (x,)")
         example_inputs = tuple(example_inputs)
         self._module_tensors = _module_tensors(fn)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (*example_inputs, *_tensors_of(fn))
-                                           if isinstance(t, torch.Tensor)):
+        # (dynamo's backend hands over AOTAutograd's graphs, whose gradients are its business)
+        if torch.is_grad_enabled() and not isinstance(fn, torch.fx.GraphModule) and any(
+                t.requires_grad for t in (*example_inputs, *_tensors_of(fn)) if isinstance(t, torch.Tensor)):
             warnings.warn("eqfuse.compile computes no gradients: its outputs do not require grad. Run it under "
                           "torch.no_grad(), or train through torch.compile(model, backend=\"eqfuse\")",
                           stacklevel=3)
