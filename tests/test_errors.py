@@ -148,14 +148,38 @@ def test_compiling_a_module_that_needs_gradients_warns_that_none_are_computed():
         eqfuse.compile(m, (torch.randn(3, 8),))
 
 
-def test_inplace_op_runs_whole_graph_in_eager():
-    def f(x):
-        y = x * 2
-        y.add_(1)
-        return y
-    x = torch.randn(3, 3)
+def _add_in_place(x):
+    y = x * 2
+    y.add_(1)
+    return y
+
+
+def _mul_through_a_view(x):
+    y = x * 1
+    y[:2].mul_(3)  # changes y
+    return y + 1
+
+
+@pytest.mark.parametrize("f", [_add_in_place, _mul_through_a_view,
+                               lambda x: torch.nn.functional.rms_norm(x, (3,), torch.ones(3) * 2)])
+def test_an_in_place_op_on_an_intermediate_compiles_as_its_functional_form(f):
+    """Traced through functionalisation (rms_norm's decomposition adds eps in place: the
+    graph ran in eager)."""
+    x = torch.randn(4, 3)
     c = eqfuse.compile(f, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
     assert_matches(c(x), f(x))
+
+
+def test_an_in_place_op_on_an_input_runs_the_graph_in_eager():
+    def f(x):
+        x.add_(1)
+        return x * 2
+    x = torch.randn(3, 3)
+    c = eqfuse.compile(f, (x.clone(),))
+    mine, theirs = x.clone(), x.clone()
+    assert_matches(c(mine), f(theirs))
+    assert torch.equal(mine, theirs)  # the input changed once, as in eager
     assert c.fallbacks and "in-place" in c.fallbacks[0].reason
 
 

@@ -169,6 +169,28 @@ class CapturedGraph:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
 
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)
+               for n in gm.graph.nodes)
+
+
+def _functionalised(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
+    """``gm`` traced again through functionalisation: an in-place op on an intermediate
+    (rms_norm's decomposition adds eps in place) becomes its out-of-place form, views of a
+    mutated value read the new one. A mutation of an input stays (a copy_ into it at the
+    end), and such a graph runs in eager. Decompositions add such ops below a
+    functionalisation of the first trace, hence a second one, only where needed. Where
+    functionalisation fails (a prim with an aliasing output: BatchNorm's decomposition),
+    ``gm`` as it is, which runs in eager."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        return make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake",
+                       _allow_non_fake_inputs=True)(*example_inputs)
+    except Exception:  # noqa: BLE001 - the graph keeps its in-place op, and runs in eager for it
+        return gm
+
+
 @contextmanager
 def buffers_kept(fn):
     """Runs the block with ``fn``'s module buffers restored after it: tracing a training-mode
@@ -222,6 +244,8 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
         with buffers_kept(fn):
             gm = make_fx(flat_fn, decomposition_table=decomposition_table(), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*example_inputs)
+            if _mutates(gm):
+                gm = _functionalised(gm, example_inputs)
     except Exception as e:  # torch raises many kinds: report one clear line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(f"could not trace the function: {type(e).__name__}: {msg}") from e
