@@ -173,8 +173,7 @@ def _computed_part(node: PNode) -> PNode | None:
     if node.op in ("broadcast", "reshape", "permute", "slice", "cast"):
         return _computed_part(node.args[0])
     if node.op == "binary" and node.attrs[0] == "mul":
-        scales = [a for a in node.args if a.op == "const" or (a.op == "broadcast" and a.args[0].op == "const")]
-        if scales:
+        if any(a.op == "const" or (a.op == "broadcast" and a.args[0].op == "const") for a in node.args):
             return next((p for p in map(_computed_part, node.args) if p is not None), None)
     return node
 

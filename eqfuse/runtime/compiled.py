@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import warnings
 from collections.abc import Callable
@@ -99,15 +98,24 @@ def _tensors_of(fn) -> list:
     return [*fn.parameters(), *fn.buffers()] if isinstance(fn, torch.nn.Module) else []
 
 
-def _module_tensors(fn) -> list | None:
-    """The tensors a module holds, checked on each call (``_same_tensors``): a graph
-    compiled from a module reads its parameters as they were at compile time, so a
-    replaced one (``m.weight = nn.Parameter(...)``) compiles again. None for a function."""
-    return _tensors_of(fn) or None
+def _holdings(fn) -> list:
+    """(the dict that holds it, its name, the value) for every parameter, buffer and
+    submodule of a module, checked on each call (``_unchanged``): a graph compiled from a
+    module reads its tensors as they were at compile time, so a replaced one
+    (``m.weight = nn.Parameter(...)``, or a new submodule) compiles again. A flat list of
+    lookups: walking the module tree on every call took 155 us for 12 small blocks on this
+    project's CPU, the lookups 14."""
+    if not isinstance(fn, torch.nn.Module):
+        return []
+    return [(held, name, value) for m in fn.modules() for held in (m._parameters, m._buffers, m._modules)
+            for name, value in held.items()]
 
 
-def _same_tensors(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
+def _unchanged(holdings: list) -> bool:
+    for held, name, value in holdings:
+        if held.get(name) is not value:
+            return False
+    return True
 
 
 def _checked_signature(inputs) -> tuple:
@@ -134,7 +142,7 @@ class CompiledGraph:
             raise EqfuseError(f"example_inputs is a {type(example_inputs).__name__}; pass a tuple or list "
                               "of the function's inputs, e.g. (x,)")
         example_inputs = tuple(example_inputs)
-        self._module_tensors = _module_tensors(fn)
+        self._holdings = _holdings(fn)
         # (dynamo's backend hands over AOTAutograd's graphs, whose gradients are its business)
         if torch.is_grad_enabled() and not isinstance(fn, torch.fx.GraphModule) and any(
                 t.requires_grad for t in (*example_inputs, *_tensors_of(fn)) if isinstance(t, torch.Tensor)):
@@ -186,7 +194,7 @@ class CompiledGraph:
         return inspect_graph(self, directory, arch)
 
     def __call__(self, *inputs):
-        if self._module_tensors is not None and not _same_tensors(_tensors_of(self.fn), self._module_tensors):
+        if self._holdings and not _unchanged(self._holdings):
             self._compile_again("a parameter or buffer of the module was replaced")
         variant = self._variants.get(_checked_signature(inputs)) or self._new_variant(inputs)
         return variant.run(*inputs)
@@ -196,7 +204,7 @@ class CompiledGraph:
         the main one again."""
         log.info("eqfuse: %s: compiling again", why)
         self._variants.clear()
-        self._module_tensors = _module_tensors(self.fn)
+        self._holdings = _holdings(self.fn)
         self._main = self._variant(self._main.example_inputs)
 
     def call_boxed(self, args: list):
