@@ -9,16 +9,17 @@ arguments (SDPA attention, the KV cache on) for inference (the prompt: decoders 
 4 x 1024 tokens, encoders and encoder-decoders at 8 x 512, ViT at 32 images), and a
 training step (``labels=``, ``loss.backward()``, train mode) at the same sizes, with
 dropout off: a GPU's fused attention draws its dropout masks by its own generator
-offsets, so that no two backends' steps are comparable with it on. Reported
-per family, mode and contender, as Inductor's dashboard reports them: whether the
-compiled output is as close to a float32 evaluation of the model as eager's (the pass rate), the median time of a call
-(triton.testing.do_bench in interleaved rounds, L2 flushed), the speedups over eager and
-over torch.compile, compile seconds cold (the first call; each contender's caches start
-empty) and, with ``--warm``, warm (compiled again after torch._dynamo.reset), the memory
-peak of a call, and for eqfuse the kernels and eager steps of its graphs; with
-``--profile``, each contender's GPU kernels per call (torch.profiler), most time first. eqfuse compiles
-with autotune off (the tile model's first choice) unless ``--autotune``. The last lines
-printed are the summary table and the geomeans.
+offsets, so that no two backends' steps are comparable with it on. Reported per family,
+mode and contender, as Inductor's dashboard reports them: whether the compiled output is
+as close to a float32 evaluation of the model as eager's (the pass rate), the median
+time of a call (triton.testing.do_bench in interleaved rounds, L2 flushed), the speedups
+over eager and over torch.compile, compile seconds cold (the first call; each
+contender's caches start empty) and, with ``--warm``, warm (compiled again after
+torch._dynamo.reset), the memory peak of a call, and for eqfuse the kernels and eager
+steps of its graphs; with ``--profile``, each contender's GPU kernels per call
+(torch.profiler), most time first. eqfuse compiles with autotune off (the tile model's
+first choice) unless ``--autotune``. The last lines printed are the summary table and
+the geomeans.
 """
 
 from __future__ import annotations
