@@ -123,6 +123,53 @@ def test_amax_and_amin_return_nan_where_a_row_holds_one(reduce, cols):
         torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
 
 
+def test_softmax_over_rows_too_long_for_registers_reads_them_once_for_its_statistics():
+    """A log-softmax over a vocabulary-sized row: its max and its sum of exponentials come
+    from one pass with a running max (they took three: the max twice, then the sum), and
+    the values at NaN, +inf and rows of -inf are eager's."""
+    x = torch.randn(6, 20000)
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] = float("-inf")
+    x[4, 3], x[4, 9] = float("inf"), float("nan")
+    x[5, :100] = float("-inf")
+
+    def f(x):
+        return torch.log_softmax(x, -1), x.amax(-1)
+    c = eqfuse.compile(f, (x,))
+    assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
+    assert c.kernels[0].source.count("for c0 in range") == 2, c.kernels[0].source  # statistics, then outputs
+    for got, want in zip(c(x), f(x)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_gather_of_one_element_per_long_row_reads_only_that_element():
+    """A gather is a row sum of the selected element (schema/from_fx); over rows too long
+    for registers the kernel reads the element alone, with no loop over the row."""
+    x = torch.randn(4, 20000)
+    x[1, 3], x[2, 9], x[3, 0] = -0.0, float("nan"), float("inf")
+    index = torch.tensor([[19999], [3], [9], [0]])
+
+    def f(x, index):
+        return x.gather(1, index) * 2
+    c = eqfuse.compile(f, (x, index))
+    assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
+    assert "for c0 in range" not in c.kernels[0].source, c.kernels[0].source
+    got, want = c(x, index), f(x, index)
+    torch.testing.assert_close(got, want + 0.0, equal_nan=True, rtol=0, atol=0)  # a selected -0.0 is +0.0 (as any sum)
+
+
+def test_cross_entropy_over_a_wide_vocabulary_matches_eager():
+    logits = torch.randn(5, 20000, dtype=torch.bfloat16) * 4
+    target = torch.tensor([1, 19999, -100, 0, 7])
+
+    def loss(logits, target):
+        return F.cross_entropy(logits.float(), target)
+    c = eqfuse.compile(loss, (logits, target))
+    assert c.kernels and not c.fallbacks, c.explain()
+    assert_matches(c(logits, target), loss(logits, target))
+
+
 @pytest.mark.parametrize("e", [1.5, -1.5, 0.5, -0.5, 2.5])
 def test_fractional_powers_at_infinities_zeros_and_negatives(e):
     x = torch.tensor([-float("inf"), float("inf"), 0.0, -0.0, -2.0, 4.0, float("nan"), 1e-40])

@@ -74,9 +74,12 @@ def streams(spec: KernelSpec) -> list[PNode]:
 def spelled_out(spec: KernelSpec) -> KernelSpec:
     """``spec`` with each ``ExpSum(s)`` written as ``sum(exp(s - rowmax(s)))``, for the row
     reduction schedule (a softmax whose sum the rules turned into an ExpSum)."""
-    if not any(n.op == "expsum" for n in spec.walk()):
+    walk = spec.walk()
+    if not any(n.op == "expsum" for n in walk):
         return spec
     memo: dict[int, PNode] = {}
+    # The row max the kernel computes anyway (a log-softmax subtracts it): one, not two
+    maxima = {id(n.args[0]): n for n in walk if n.op == "reduce" and n.attrs[0] == "max"}
 
     def go(n: PNode) -> PNode:
         if id(n) not in memo:
@@ -84,7 +87,8 @@ def spelled_out(spec: KernelSpec) -> KernelSpec:
             if n.op == "expsum":
                 (s,) = args
                 row = s.shape[:-1] + (1,)
-                top = PNode("reduce", ("max",), (s,), row, s.dtype)
+                known = maxima.get(id(n.args[0]))
+                top = go(known) if known is not None else PNode("reduce", ("max",), (s,), row, s.dtype)
                 shifted = PNode("binary", ("sub",), (s, PNode("broadcast", (), (top,), s.shape, s.dtype)),
                                 s.shape, s.dtype)
                 exp = PNode("unary", ("exp",), (shifted,), s.shape, s.dtype)

@@ -437,6 +437,7 @@ class KernelWriter:
         self.descriptor_lines: list[str] = []
         self.tma_params: set[str] = set()
         self.subtile = False  # the TMA form's epilogue computed half a tile at a time (subtiled)
+        self.running_max: dict[int, Val] = {}  # scores -> the running max of their softmax's pass
 
     # --- small helpers -----------------------------------------------------------------------
     def _buffer_names(self):
@@ -832,8 +833,10 @@ class KernelWriter:
         if self.s.kind != "reduction":
             raise Unschedulable("reduction in a pointwise kernel")
         full, row = self.base_envs()
-        if env.dims != row.dims or env.guard is not None:
+        if env.dims != row.dims:
             raise Unschedulable("a reduction reached through an index map that moves its rows")
+        if env.guard is not None:  # reads the row whole wherever it is used (a guard masks others' reads)
+            return self.emit(node, row)
         op = node.attrs[0]
         neutral = literal(ops.REDUCE[op][1], node.dtype)
         fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
@@ -851,6 +854,12 @@ class KernelWriter:
         # Looped: inner reductions first, at row scope, then one pass over the row.
         if self.loop is not None:
             raise Unschedulable("nested reduction loop")
+        sums = [n for n in self.spec.walk() if n.op == "expsum" and n.args[0] is node.args[0]]
+        if op == "max" and sums:  # the running max of that softmax's pass
+            self.emit(sums[0], row)
+            return self.running_max[id(node.args[0])]
+        if op == "sum" and (picked := self._selected(node.args[0], full)) is not None:
+            return picked
         for inner in _direct_reduces(node.args[0]):
             self.emit(inner, row)
         acc = self.fresh("acc")
@@ -864,6 +873,66 @@ class KernelWriter:
         self.loop.append(f"{acc} = {combine}")
         self.close_loop()
         return self.assign(_row_reduction(fn, acc, nan_aware), frozenset("r"), "red")
+
+    def _selected(self, x: PNode, full: Env) -> Val | None:
+        """A row sum of ``where(column == i, v, 0)``, with ``i`` one index per row (a gather:
+        cross-entropy's ``logp[row, target[row]]``), as ``v`` read at column ``i`` only:
+        one element instead of a pass over a vocabulary-wide row. None for other sums."""
+        picked = selection(x)
+        if picked is None:
+            return None
+        index, value = picked
+        i = self.emit(index, full)
+        if "c" in i.axes:
+            raise AssertionError("an index constant along the row varies along it")
+        column = self.assign(f"({i.expr}).to(tl.int64)", i.axes | frozenset("r"), "col")
+        pick = env_of([(Idx("rindex", frozenset("r")), self.s.rows), (Idx(column.expr, frozenset("r")), self.s.cols)],
+                      self.s.reduce_shape, Idx(f"(rindex * C + {column.expr})", frozenset("r")))
+        inside = Idx(f"(({column.expr} >= 0) & ({column.expr} < C))", frozenset("r"))
+        v = self.emit(value, replace(pick, guard=inside))
+        # The sum of one value and zeros: the value, a -0.0 made +0.0 as a sum from 0 makes it
+        zero = literal(0, x.dtype)
+        return self.assign(f"tl.where({inside.expr}, {v.expr} + {zero}, {zero})", v.axes | frozenset("r"), "red")
+
+    def _emit_expsum(self, node, env):
+        """``sum(exp(s - rowmax(s)))`` over a row too long for registers, in one pass: a
+        running max ``m``, and the sum so far rescaled whenever it grows (as attention's
+        key loop does; codegen/attention.py). Its values are eager's: a row with a NaN
+        has a NaN max and sum, a +inf gives inf - inf; a row of -inf only, 0 / 0 in eager,
+        gives NaN (the reference 0 in the loop keeps the sum at 0 until then)."""
+        if self.s.kind != "reduction" or self.s.persistent:
+            raise AssertionError("ExpSum is written out in this schedule (attention.spelled_out)")
+        full, row = self.base_envs()
+        if env.dims != row.dims:
+            raise Unschedulable("a softmax sum reached through an index map that moves its rows")
+        if env.guard is not None:
+            return self.emit(node, row)
+        if self.loop is not None:
+            raise Unschedulable("nested reduction loop")
+        (scores,) = node.args
+        for inner in _direct_reduces(scores):
+            self.emit(inner, row)
+        m, total = self.fresh("m"), self.fresh("l")
+        self.lines += [f'{m} = tl.full([BLOCK_R, 1], -float("inf"), tl.float32)',
+                       f"{total} = tl.zeros([BLOCK_R, 1], tl.float32)"]
+        self.open_loop()
+        v = self.emit(scores, full)
+        tile = f"({v.expr}).to(tl.float32)"
+        if "c" not in v.axes:
+            tile = f"tl.broadcast_to({tile}, [BLOCK_R, BLOCK_C])"
+        cm = self.mask(frozenset("c"))
+        if cm:
+            tile = f'tl.where({cm}, {tile}, -float("inf"))'
+        t, grown, ref = self.fresh("s"), self.fresh("m"), self.fresh("ref")
+        self.loop += [f"{t} = {tile}",
+                      f"{grown} = tl.maximum({m}, {_row_reduction('tl.max', t, True)}, "
+                      "propagate_nan=tl.PropagateNan.ALL)",
+                      f'{ref} = tl.where({grown} == -float("inf"), 0.0, {grown})',
+                      f"{total} = {total} * tl.exp({m} - {ref}) + tl.sum(tl.exp({t} - {ref}), 1)[:, None]",
+                      f"{m} = {grown}"]
+        self.close_loop()
+        self.running_max[id(scores)] = Val(m, frozenset("r"))
+        return self.assign(f'tl.where({m} == -float("inf"), float("nan"), {total})', frozenset("r"), "red")
 
     def open_loop(self):
         self.loop = []
@@ -1061,15 +1130,59 @@ def operand_key(node: PNode, env, axes) -> tuple:
     return ("operand", id(node), env_key(env), tuple(axes))
 
 
+def selection(x: PNode) -> tuple[PNode, PNode] | None:
+    """(i, v) where ``x`` is ``where(column == i, v, 0)`` with ``i`` constant along the row
+    (a gather, as schema/from_fx has it): its row sum is ``v`` at column ``i``, or 0."""
+    if x.op != "where" or not _is_zero(x.args[2]):
+        return None
+    test, value = x.args[0], x.args[1]
+    if test.op != "binary" or test.attrs[0] != "eq":
+        return None
+    last = len(x.shape) - 1
+    sides = [a for a in test.args if not (a.op == "iota" and a.attrs[0] == last)]
+    if len(sides) != 1 or not _constant_along_last(sides[0]):
+        return None
+    return sides[0], value
+
+
+def _is_zero(node: PNode) -> bool:
+    return node.op == "const" and float(node.attrs[0]) == 0
+
+
+def _constant_along_last(node: PNode) -> bool:
+    """``node`` (under casts) broadcasts a value of length 1 along its last axis."""
+    while node.op == "cast":
+        node = node.args[0]
+    return node.op == "broadcast" and node.args[0].shape[-1:] == (1,) and len(node.args[0].shape) == len(node.shape)
+
+
+def online_softmax(sched: Schedule) -> bool:
+    """Whether a kernel of this schedule computes a softmax's ``ExpSum`` in one pass with a
+    running max (rows too long for registers); elsewhere it is written out as
+    ``sum(exp(s - rowmax(s)))``."""
+    return sched.kind == "reduction" and not sched.persistent and not sched.columns
+
+
+def looped_passes(spec: KernelSpec) -> int:
+    """The passes over the row a looped reduction kernel makes: one per reduction, one
+    for each ``ExpSum`` (whose running max also serves a ``Reduce_max`` of its scores),
+    none for a sum that selects one element, and one for the outputs."""
+    walk = spec.walk()
+    scores = {id(n.args[0]) for n in walk if n.op == "expsum"}
+    reduces = [n for n in walk if n.op == "reduce" and not (n.attrs[0] == "max" and id(n.args[0]) in scores)
+               and not (n.attrs[0] == "sum" and selection(n.args[0]) is not None)]
+    return 1 + len(reduces) + len(scores)
+
+
 def _direct_reduces(node: PNode) -> list[PNode]:
-    """Reductions under ``node`` not nested in another reduction, innermost first."""
+    """Reductions (and softmax sums) under ``node`` not nested in another, innermost first."""
     found, seen = [], set()
 
     def go(n):
         if id(n) in seen:
             return
         seen.add(id(n))
-        if n.op == "reduce":
+        if n.op in ("reduce", "expsum"):
             found.append(n)
             return
         for a in n.args:
@@ -1234,7 +1347,7 @@ def generate_kernel(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
     launcher runs this one in its place with the same arguments)."""
     from .attention import spelled_out
     sched = schedule_of(spec)
-    if sched.kind != "attention":
+    if sched.kind != "attention" and not online_softmax(sched):
         spec = spelled_out(spec)
     if cfg is None or not fits(sched, cfg):
         cfg = default_config(sched)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 import torch
 
-from ..codegen.kernel import generate, schedule_of
+from ..codegen.kernel import generate, looped_passes, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
 from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides, step_reads
@@ -468,8 +468,7 @@ class Extractor:
             sched = schedule_of(spec)
         except Unschedulable as e:
             return math.inf, e, True
-        passes = 1 if sched.kind == "pointwise" or sched.persistent else \
-            1 + sum(1 for n in spec.walk() if n.op == "reduce")
+        passes = 1 if sched.kind == "pointwise" or sched.persistent else looped_passes(spec)
         return kernel_time_us(spec, buffers, self.device, passes, sched), None, False
 
     def _checked(self, st: _State, memo) -> _State:
