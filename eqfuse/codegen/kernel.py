@@ -895,11 +895,13 @@ class KernelWriter:
         return self.assign(f"tl.where({inside.expr}, {v.expr} + {zero}, {zero})", v.axes | frozenset("r"), "red")
 
     def _emit_expsum(self, node, env):
-        """``sum(exp(s - rowmax(s)))`` over a row too long for registers, in one pass: a
-        running max ``m``, and the sum so far rescaled whenever it grows (as attention's
-        key loop does; codegen/attention.py). Its values are eager's: a row with a NaN
-        has a NaN max and sum, a +inf gives inf - inf; a row of -inf only, 0 / 0 in eager,
-        gives NaN (the reference 0 in the loop keeps the sum at 0 until then)."""
+        """``sum(exp(s - rowmax(s)))`` over a row too long for registers, in one pass. Each
+        lane of the tile keeps a running max ``m`` and its sum ``l``, rescaled whenever its
+        max grows; after the loop the lanes combine into the row's (the loop does no
+        reduction across threads, as Inductor's online softmax). Eager's values: a row with
+        a NaN has a NaN max and sum, a +inf gives inf - inf (NaN); a row of -inf only,
+        0 / 0 in eager, gives NaN (the reference 0 in the loop keeps the sums at 0 until a
+        score arrives)."""
         if self.s.kind != "reduction" or self.s.persistent:
             raise AssertionError("ExpSum is written out in this schedule (attention.spelled_out)")
         full, row = self.base_envs()
@@ -913,8 +915,8 @@ class KernelWriter:
         for inner in _direct_reduces(scores):
             self.emit(inner, row)
         m, total = self.fresh("m"), self.fresh("l")
-        self.lines += [f'{m} = tl.full([BLOCK_R, 1], -float("inf"), tl.float32)',
-                       f"{total} = tl.zeros([BLOCK_R, 1], tl.float32)"]
+        self.lines += [f'{m} = tl.full([BLOCK_R, BLOCK_C], -float("inf"), tl.float32)',
+                       f"{total} = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)"]
         self.open_loop()
         v = self.emit(scores, full)
         tile = f"({v.expr}).to(tl.float32)"
@@ -925,14 +927,17 @@ class KernelWriter:
             tile = f'tl.where({cm}, {tile}, -float("inf"))'
         t, grown, ref = self.fresh("s"), self.fresh("m"), self.fresh("ref")
         self.loop += [f"{t} = {tile}",
-                      f"{grown} = tl.maximum({m}, {_row_reduction('tl.max', t, True)}, "
-                      "propagate_nan=tl.PropagateNan.ALL)",
+                      f"{grown} = tl.maximum({m}, {t}, propagate_nan=tl.PropagateNan.ALL)",
                       f'{ref} = tl.where({grown} == -float("inf"), 0.0, {grown})',
-                      f"{total} = {total} * tl.exp({m} - {ref}) + tl.sum(tl.exp({t} - {ref}), 1)[:, None]",
+                      f"{total} = {total} * tl.exp({m} - {ref}) + tl.exp({t} - {ref})",
                       f"{m} = {grown}"]
         self.close_loop()
-        self.running_max[id(scores)] = Val(m, frozenset("r"))
-        return self.assign(f'tl.where({m} == -float("inf"), float("nan"), {total})', frozenset("r"), "red")
+        top = self.assign(_row_reduction("tl.max", m, True), frozenset("r"), "m")
+        top_ref = self.assign(f'tl.where({top.expr} == -float("inf"), 0.0, {top.expr})', frozenset("r"), "ref")
+        row_sum = self.assign(f"tl.sum({total} * tl.exp({m} - {top_ref.expr}), 1)[:, None]", frozenset("r"), "l")
+        self.running_max[id(scores)] = top
+        return self.assign(f'tl.where({top.expr} == -float("inf"), float("nan"), {row_sum.expr})', frozenset("r"),
+                           "red")
 
     def open_loop(self):
         self.loop = []
