@@ -188,7 +188,6 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     build where no backward ever runs."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch import config as functorch_config
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     options = dict(options or {})
     _ready_triton_ahead(example_inputs, options)
@@ -196,7 +195,7 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # Recomputing is not the default: on an H100 (benchmarks/models.py, fp16, training
     # step) it took the Llama layer from 44.1 to 49.5 ms for 0.7 GB less at the peak
     # (of 16.5), while BERT's step went from 1539 to 1306 us; GPT-2's graphs came out alike.
-    partition = min_cut_rematerialization_partition if options.pop("recompute", False) else default_partition
+    partition = partitioner(options.pop("recompute", False))
     # Training graphs replay CUDA graphs only where they are short, unless asked for:
     # there the host's launches set the step's time (GPT-2 block B8 S1024 on an H100:
     # 1.98 -> 1.24 ms a step with the forward replayed), while a long graph gains nothing
@@ -217,6 +216,21 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # so building the backward now overlaps them; the first backward only waits for its own
     with functorch_config.patch(force_non_lazy_backward_lowering=True):
         return backend(gm, example_inputs)
+
+
+def partitioner(recompute: bool = False):
+    """AOTAutograd's partition function for the backend: the min-cut partitioner with
+    ``recompute``, else the default one (the backward reads what the forward saved), each
+    after the joint graph's rewrites (frontend/joint.py)."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    from .frontend.joint import recompute_log_softmax
+
+    split = min_cut_rematerialization_partition if recompute else default_partition
+
+    def partition(joint, inputs, **kwargs):
+        return split(recompute_log_softmax(joint), inputs, **kwargs)
+    return partition
 
 
 def _ready_triton_ahead(example_inputs, options: dict) -> None:

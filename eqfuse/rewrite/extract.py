@@ -31,6 +31,7 @@ import torch
 from ..codegen.kernel import generate, looped_passes, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
+from ..schema.from_fx import BufRef
 from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides, step_reads
 from ..schema.terms import bits_float, buffer_name, dtype_name
 from .cost import Device, device_model, kernel_time_us
@@ -685,6 +686,10 @@ class Extractor:
                 outputs.append(("buffer", name))
             elif o[0] == "buffer":
                 outputs.append(("view", o[1]))
+            elif o[0] == "alias":
+                _, j, shape, strides = o
+                base = self.buffer_name(self.g.lets[self.tr.outputs[j][1]])
+                outputs.append(("view", BufRef(base, shape, strides, 0)))
             else:
                 outputs.append(o)
         inputs = [buffers[name] for name, _, _ in self.tr.inputs]

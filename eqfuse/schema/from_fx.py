@@ -80,7 +80,9 @@ class BufRef:
 class Translation:
     egraph: Any
     inputs: list[tuple[str, tuple, str]]  # (buffer name, shape, dtype) per placeholder
-    outputs: list  # per flat output: ("value", let, shape, dtype, strides) | ("buffer", BufRef) | ("const", v)
+    # per flat output: ("value", let, shape, dtype, strides) | ("buffer", BufRef) | ("const", v)
+    # | ("alias", j, shape, strides): output j's tensor again, viewed so (contiguous both)
+    outputs: list
     fallbacks: list[Fallback]
     roots: list[str]  # let-names that must be materialised (outputs, fallback args)
     node_names: list[str] = field(default_factory=list)
@@ -294,9 +296,12 @@ class Translator:
 
     def _outputs(self, node):
         outs = []
+        aliases = _aliased_outputs(node.args[0], self.env)
         for i, a in enumerate(node.args[0]):
             e = self.env[a] if isinstance(a, torch.fx.Node) else a
-            if isinstance(e, BufferView):
+            if i in aliases:
+                outs.append(("alias", *aliases[i]))
+            elif isinstance(e, BufferView):
                 outs.append(("buffer", BufRef(e.buf, e.shape, e.strides, e.offset)))
             elif isinstance(e, Computed):
                 name = f"out_{i}"
@@ -310,6 +315,36 @@ class Translator:
             else:
                 outs.append(("const", e))
         return outs
+
+
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _aliased_outputs(outputs, env) -> dict:
+    """{i: (j, shape, strides)} for each graph output ``i`` that is output ``j`` (a computed
+    value, not itself an alias) again, or a contiguous reshape of it: it is returned as a
+    view of ``j``'s buffer instead of being stored a second time (a training forward
+    returns the logits to the user and saves the product they are a view of for its
+    backward: a second write of a gigabyte, which kept the product from cuBLAS)."""
+    first = {}
+    for j, a in enumerate(outputs):
+        if isinstance(a, torch.fx.Node) and isinstance(env.get(a), Computed):
+            first.setdefault(a, j)
+    aliases = {}
+    for i, a in enumerate(outputs):
+        if not isinstance(a, torch.fx.Node) or not isinstance(env.get(a), Computed):
+            continue
+        base = a
+        if first.get(a) == i:
+            if a.target not in _RESHAPES or a.args[0] not in first:
+                continue
+            base = a.args[0]
+        meta, base_meta = _meta(a), _meta(base)
+        if not (isinstance(meta, torch.Tensor) and isinstance(base_meta, torch.Tensor)):
+            continue
+        if meta.is_contiguous() and base_meta.is_contiguous() and meta.numel() == base_meta.numel():
+            aliases[i] = (first[base], tuple(meta.shape), tuple(meta.stride()))
+    return {i: v for i, v in aliases.items() if v[0] not in aliases}
 
 
 def dense_strides(shape, strides) -> tuple:
