@@ -210,6 +210,9 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # CPU was wrong, compilers aside.)
     backend = aot_autograd(fw_compiler=training, bw_compiler=training, inference_compiler=compiler,
                            partition_fn=partition)
+    if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in example_inputs):
+        from .frontend.capture import plain_bool_masked_attention
+        gm = plain_bool_masked_attention(gm)
     if not ahead:
         return backend(gm, example_inputs)
     # The forward's kernels compile in the pool as its build returns (pipeline._start_kernels),

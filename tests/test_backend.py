@@ -227,6 +227,30 @@ def test_fused_attention_op_is_made_plain_only_when_only_its_output_is_used():
     assert fused(plain_fused_attention(gm))  # the log-sum-exp is used: the op stays
 
 
+def test_inference_attention_with_a_broadcast_bool_mask_is_one_kernel():
+    """transformers passes a bool mask broadcast with zero strides under torch.compile (ViT:
+    all True); AOTAutograd would trace torch's float32 math path with its safe softmax.
+    It compiles to one attention kernel, and a row the mask leaves no key gives 0 as in
+    eager (not NaN)."""
+    q, k, v = (torch.randn(2, 3, 24, 8) for _ in range(3))
+    keep = torch.rand(24, 24) > 0.2
+    keep[5] = False  # query 5 sees no key
+
+    def f(q, k, v, keep):
+        mask = keep[None, None].expand(2, 1, 24, 24)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    with torch.no_grad():
+        got = torch.compile(f, backend="eqfuse")(q, k, v, keep)
+    want = f(q, k, v, keep)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[:, :, 5], torch.zeros_like(got[:, :, 5]))
+    (graph,) = eqfuse.backend.history
+    assert len(graph.kernels) == 1 and not graph.fallbacks, graph.explain()
+    assert "attention" in graph.explain()
+
+
 def test_plain_attention_keeps_the_fused_ops_layout():
     """flash writes [B, H, S, D] as [B, S, H, D] in memory; the graph may view through it."""
     from eqfuse.frontend.capture import _sdpa_output

@@ -85,7 +85,45 @@ def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
         s = s.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-    return torch.softmax(s, dim=-1) @ v
+    out = torch.softmax(s, dim=-1) @ v
+    if attn_mask is None:  # (a causal mask leaves every row its first key)
+        return out
+    # A row the mask leaves no key gives 0, as the fused kernels and torch's math path
+    # (its safe softmax) give, not softmax's 0 / 0. The row max is the softmax's own (over
+    # the scores in float32), which the attention kernel has.
+    return torch.where(s.float().amax(-1, keepdim=True) == float("-inf"), 0.0, out)
+
+
+def plain_bool_masked_attention(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of dynamo's graph ``gm`` (an inference graph) in which each
+    ``F.scaled_dot_product_attention`` with a bool mask and no dropout is ``_sdpa_math``
+    (``gm`` itself is unchanged; the same graph where there is none). transformers passes
+    such a mask under torch.compile where eager passes none (ViT: all True, broadcast with
+    zero strides); the fused kernels refuse it, and AOTAutograd traces torch's math path
+    instead, which computes attention in float32 with a safe softmax (any, logical_not,
+    where) that the attention rules do not stream: three kernels and float32 products. In
+    its plain form the mask is read through its broadcast, in the attention kernel."""
+    import copy
+
+    from torch.fx.operator_schemas import normalize_function
+
+    def masked(node) -> bool:
+        if node.op != "call_function" or node.target is not torch.nn.functional.scaled_dot_product_attention:
+            return False
+        kw = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        if kw is None or kw.kwargs.get("dropout_p"):
+            return False
+        mask = kw.kwargs.get("attn_mask")
+        value = mask.meta.get("example_value") if isinstance(mask, torch.fx.Node) else None
+        return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+    if not any(masked(n) for n in gm.graph.nodes):
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if masked(node):
+            node.target = _sdpa_math
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _fused_sdpa_ops() -> dict:
