@@ -166,6 +166,12 @@ def sdpa_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def sdpa_bool_causal(q, k, v):
+    """The causal mask as a bool tensor (transformers passes one under torch.compile)."""
+    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
 @dataclass(frozen=True)
 class Example:
     name: str
@@ -267,6 +273,7 @@ ATTENTION_EXAMPLES: dict[str, Example] = {e.name: e for e in [
     Example("padded_attention", padded_attention, _qkv_padded, 1, (2, 4, 128, 64)),
     Example("gqa_attention", gqa_attention, _qkv_grouped, 1, (2, 4, 128, 64)),
     Example("sdpa_causal", sdpa_causal, _qkv, 1, (2, 4, 128, 64)),
+    Example("sdpa_bool_causal", sdpa_bool_causal, _qkv, 1, (2, 4, 128, 64)),
 ]}
 
 

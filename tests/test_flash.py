@@ -33,7 +33,8 @@ def kernel_of(name, heads=2, seq=17, d=16, dtype=torch.float16, layout="bhsd"):
 
 @pytest.mark.parametrize("name,causal", [("attention", False), ("attention_scale_on_q", False),
                                          ("causal_attention", True), ("causal_attention_where", True),
-                                         ("causal_attention_bias", True), ("sdpa_causal", True)])
+                                         ("causal_attention_bias", True), ("sdpa_causal", True),
+                                         ("sdpa_bool_causal", True)])
 def test_plain_spellings_have_the_flash_form(name, causal):
     compiled, k, inputs = kernel_of(name)
     f = flash.form(k.spec, k.schedule.band, k.schedule.m)

@@ -122,6 +122,8 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     if x.op != "dot" or scale is None:
         return None
     root, out = spec.roots[0]
+    if band is not None and band[1] >= 0:  # every row sees key 0: no row is empty
+        root = _without_empty_row_guard(root, scores)
     if not _is_normalised(root, expdot, expsum) or root.dtype != expdot.args[1].dtype:
         return None
     # A constant factor on q or k (the scale written on an operand) joins the scale.
@@ -162,6 +164,26 @@ def _is_normalised(root: PNode, expdot: PNode, expsum: PNode) -> bool:
     if div.op != "binary" or div.attrs[0] != "div":
         return False
     return _strip(div.args[0], ("cast",)) is expdot and _strip(div.args[1], ("cast", "broadcast")) is expsum
+
+
+def _without_empty_row_guard(root: PNode, scores: PNode) -> PNode:
+    """``x`` where ``root`` is ``where(rowmax(scores) == -inf, 0, x)`` (under casts): a
+    masked attention's output for rows the mask leaves no key (capture._sdpa_math), moot
+    where the band gives every row a key; ``root`` otherwise."""
+    node = _strip(root, ("cast",))
+    if node.op != "where":
+        return root
+    zero = _strip(node.args[1], ("broadcast", "cast"))
+    if zero.op != "const" or float(zero.attrs[0]) != 0:
+        return root
+    test = _strip(node.args[0], ("broadcast",))
+    inf = _strip(test.args[1], ("broadcast", "cast")) if test.op == "binary" else test
+    if test.op != "binary" or test.attrs[0] != "eq" or inf.op != "const" or float(inf.attrs[0]) != float("-inf"):
+        return root
+    top = _strip(test.args[0], ("cast", "broadcast"))
+    if top.op != "reduce" or top.attrs[0] != "max" or _strip(top.args[0], ("cast",)) is not _strip(scores, ("cast",)):
+        return root
+    return node.args[2]
 
 
 def _factored(node: PNode) -> tuple[PNode, float]:
