@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -21,10 +23,36 @@ def build(fn, example_inputs, options) -> dict:
     if _parallel(options, example_inputs) and not plan_cache.enabled(options.plan_cache):
         _prestart()  # with the plan cache on, after a miss (see _build_captured)
     t0 = time.perf_counter()
-    captured = capture(fn, example_inputs)
-    seconds = {"capture": time.perf_counter() - t0}
-    with _real_tensors():
-        return _build_captured(fn, captured, example_inputs, options, seconds)
+    with deep_recursion():
+        captured = capture(fn, example_inputs)
+        seconds = {"capture": time.perf_counter() - t0}
+        with _real_tensors():
+            return _build_captured(fn, captured, example_inputs, options, seconds)
+
+
+# The code generator and the interpreters walk a kernel's expression recursively, one
+# frame or two per op: a chain of 500 pointwise ops fused into one kernel ran past
+# Python's default limit of 1000 (and the graph into eager). Python 3.11 keeps such calls
+# off the C stack, so builds run under this limit (raised, never lowered, while any runs).
+RECURSION_LIMIT = 20000
+_recursion = {"builds": 0, "saved": 0}
+_recursion_lock = threading.Lock()
+
+
+@contextmanager
+def deep_recursion():
+    with _recursion_lock:
+        if _recursion["builds"] == 0:
+            _recursion["saved"] = sys.getrecursionlimit()
+            sys.setrecursionlimit(max(_recursion["saved"], RECURSION_LIMIT))
+        _recursion["builds"] += 1
+    try:
+        yield
+    finally:
+        with _recursion_lock:
+            _recursion["builds"] -= 1
+            if _recursion["builds"] == 0:
+                sys.setrecursionlimit(_recursion["saved"])
 
 
 @contextmanager

@@ -409,3 +409,20 @@ def test_an_output_that_is_another_output_reshaped_is_a_view_of_its_buffer():
         assert_matches(g, e)
     assert got[0].data_ptr() == got[1].data_ptr() == got[2].data_ptr()
     assert sum(len(k.source.split("tl.store(")) - 1 for k in c.kernels) == 1, [k.source for k in c.kernels]
+
+
+def test_a_chain_of_hundreds_of_pointwise_ops_is_one_kernel():
+    """Deeper than Python's default recursion limit in the code generator's walk (it ran
+    the graph in eager with a RecursionError); the limit is the user's again afterwards."""
+    import sys
+
+    def f(x):
+        for i in range(520):
+            x = x * 1.001 + 0.001 if i % 2 else torch.sin(x)
+        return x
+    limit = sys.getrecursionlimit()
+    x = torch.randn(64)
+    c = eqfuse.compile(f, (x,))
+    assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
+    assert_matches(c(x), f(x))
+    assert sys.getrecursionlimit() == limit

@@ -560,29 +560,42 @@ class Extractor:
         nodes = []  # in the order they are made, children first: the kernel's walk
         here = {root, *extra}
 
-        def build(c) -> PNode:
-            p = memo.get(c)
-            if p is not None:
-                return p
-            if c in M and c not in here and not self._from_indices(c):
-                loads.add(c)
-                attrs, shape, dtype = self._stored_load(c)
-                p = PNode("load", attrs, (), shape, dtype, c)
-                reads.add(attrs[0])
-            else:
-                inline.append(c)
-                op, attrs, kids, shape, dtype, read, loaded = self._recipe(c)
-                if read is not None:
-                    reads.add(read)
-                if loaded is not None:  # d in ``here`` (a kernel reading what it writes) is rejected by the caller
-                    loads.add(loaded)
-                p = PNode(op, attrs, tuple([build(k) for k in kids]), shape, dtype, c)
-            memo[c] = p
-            nodes.append(p)
-            return p
+        def build(top) -> PNode:
+            """Depth first, children in order, as a recursion would (a chain of thousands
+            of ops is deeper than Python's stack): each class is visited on the way down
+            (a load, or its recipe) and made once its children are."""
+            stack = [[top, None]]
+            while stack:
+                entry = stack[-1]
+                c, recipe = entry
+                if c in memo:
+                    stack.pop()
+                    continue
+                if recipe is None:
+                    if c in M and c not in here and not self._from_indices(c):
+                        loads.add(c)
+                        attrs, shape, dtype = self._stored_load(c)
+                        p = memo[c] = PNode("load", attrs, (), shape, dtype, c)
+                        reads.add(attrs[0])
+                        nodes.append(p)
+                        stack.pop()
+                        continue
+                    inline.append(c)
+                    recipe = entry[1] = self._recipe(c)
+                    _, _, kids, _, _, read, loaded = recipe
+                    if read is not None:
+                        reads.add(read)
+                    if loaded is not None:  # d in ``here`` (a kernel reading what it writes) is rejected by the caller
+                        loads.add(loaded)
+                    stack.extend([k, None] for k in reversed(kids) if k not in memo)
+                    continue
+                op, attrs, kids, shape, dtype, _, _ = recipe
+                p = memo[c] = PNode(op, attrs, tuple(memo[k] for k in kids), shape, dtype, c)
+                nodes.append(p)
+                stack.pop()
+            return memo[top]
 
         roots = [(build(c), self.buffer_name(c)) for c in [root, *extra]]
-        build = None  # noqa: F841 - the closure refers to itself: a cycle the paused collector would keep
         names = [name for c in inline for name in self._fx_names.get(c, ())]
         label = (self.fx_names(root) or ["value"])[0]
         spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names))).known_walk(nodes)
