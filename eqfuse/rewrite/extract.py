@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -226,22 +227,34 @@ class Extractor:
         cost = {c: math.inf for c in self.g.classes if self.g.is_value(c)}
         reduces: dict[str, bool] = {}  # whether the chosen form holds a reduction
         best: dict[str, ENode] = {}
-        changed = True
-        while changed:
-            changed = False
-            for c in cost:
-                for n in self.g.classes[c]:
-                    if self.is_self_load(n):
-                        continue
-                    kids = self.value_children(n)
-                    size, reuse = self._work(c, n)
-                    total = node_cost(n) * size + sum(cost[k] * r for k, r in zip(kids, reuse))
-                    if n.op in ("Dot", "ExpDot") and any(reduces.get(k) for k in kids):
-                        total += split
-                    if total < cost[c] * (1 - 1e-9):
-                        cost[c], best[c] = total, n
-                        reduces[c] = n.op == "Reduce" or any(reduces.get(k) for k in kids)
-                        changed = True
+        # A worklist: a class is weighed again when one of its children got cheaper (sweeps
+        # over every class until none changed took one sweep per level of a deep graph: a
+        # chain of 500 ops, 7.8 s)
+        forms = {c: [(n, self.value_children(n), self._work(c, n)) for n in self.g.classes[c]
+                     if not self.is_self_load(n)] for c in cost}
+        parents: dict[str, list[str]] = {}
+        for c, ns in forms.items():
+            for _, kids, _ in ns:
+                for k in kids:
+                    parents.setdefault(k, []).append(c)
+        queue, queued = deque(cost), set(cost)
+        while queue:
+            c = queue.popleft()
+            queued.discard(c)
+            improved = False
+            for n, kids, (size, reuse) in forms[c]:
+                total = node_cost(n) * size + sum(cost[k] * r for k, r in zip(kids, reuse))
+                if n.op in ("Dot", "ExpDot") and any(reduces.get(k) for k in kids):
+                    total += split
+                if total < cost[c] * (1 - 1e-9):
+                    cost[c], best[c] = total, n
+                    reduces[c] = n.op == "Reduce" or any(reduces.get(k) for k in kids)
+                    improved = True
+            if improved:
+                for p in parents.get(c, ()):
+                    if p not in queued:
+                        queue.append(p)
+                        queued.add(p)
         return best
 
     # --- 3. plans ------------------------------------------------------------------------------
