@@ -159,6 +159,27 @@ def test_gather_of_one_element_per_long_row_reads_only_that_element():
     torch.testing.assert_close(got, want + 0.0, equal_nan=True, rtol=0, atol=0)  # a selected -0.0 is +0.0 (as any sum)
 
 
+def test_cross_entropy_backward_over_a_wide_vocabulary_loops_over_it_once():
+    """The backward's row sum of the one-hot gradient times the loss's reads the target's
+    column alone; the gradient is the one loop over the vocabulary."""
+    import eqfuse.backend
+
+    def loss(logits, target):
+        return F.cross_entropy(logits.float(), target)
+    logits = torch.randn(6, 20000, dtype=torch.bfloat16) * 4
+    target = torch.tensor([1, 19999, -100, 0, 7, 5])
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    x = logits.clone().requires_grad_()
+    torch.compile(loss, backend="eqfuse")(x, target).backward()
+    y = logits.clone().requires_grad_()
+    loss(y, target).backward()
+    torch.testing.assert_close(x.grad, y.grad)
+    backward = eqfuse.backend.history[-1]
+    assert not backward.fallbacks, backward.explain()
+    assert sum(k.source.count("for c0 in range") for k in backward.kernels) == 1, [k.source for k in backward.kernels]
+
+
 def test_cross_entropy_over_a_wide_vocabulary_matches_eager():
     logits = torch.randn(5, 20000, dtype=torch.bfloat16) * 4
     target = torch.tensor([1, 19999, -100, 0, 7])

@@ -881,7 +881,7 @@ class KernelWriter:
         picked = selection(x)
         if picked is None:
             return None
-        index, value = picked
+        index, value, factor = picked
         i = self.emit(index, full)
         if "c" in i.axes:
             raise AssertionError("an index constant along the row varies along it")
@@ -892,7 +892,15 @@ class KernelWriter:
         v = self.emit(value, replace(pick, guard=inside))
         # The sum of one value and zeros: the value, a -0.0 made +0.0 as a sum from 0 makes it
         zero = literal(0, x.dtype)
-        return self.assign(f"tl.where({inside.expr}, {v.expr} + {zero}, {zero})", v.axes | frozenset("r"), "red")
+        if factor is None:
+            return self.assign(f"tl.where({inside.expr}, {v.expr} + {zero}, {zero})", v.axes | frozenset("r"), "red")
+        # times r: v * r, and the other columns' 0 * r (NaN where r is not finite; a row
+        # this long has other columns)
+        r = self.emit(factor, full)
+        if "c" in r.axes:
+            raise AssertionError("a factor constant along the row varies along it")
+        return self.assign(f"(tl.where({inside.expr}, {v.expr} * {r.expr}, {zero}) + {zero} * {r.expr}) + {zero}",
+                           v.axes | r.axes | frozenset("r"), "red")
 
     def _emit_expsum(self, node, env):
         """``sum(exp(s - rowmax(s)))`` over a row too long for registers, in one pass. Each
@@ -1135,9 +1143,17 @@ def operand_key(node: PNode, env, axes) -> tuple:
     return ("operand", id(node), env_key(env), tuple(axes))
 
 
-def selection(x: PNode) -> tuple[PNode, PNode] | None:
-    """(i, v) where ``x`` is ``where(column == i, v, 0)`` with ``i`` constant along the row
-    (a gather, as schema/from_fx has it): its row sum is ``v`` at column ``i``, or 0."""
+def selection(x: PNode) -> tuple[PNode, PNode, PNode | None] | None:
+    """(i, v, r) where ``x`` is ``where(column == i, v, 0)``, times ``r`` if ``r`` is not
+    None, with ``i`` and ``r`` constant along the row (a gather as schema/from_fx has it;
+    cross-entropy's one-hot gradient times the loss's): its row sum is ``v * r`` at column
+    ``i`` plus the other columns' ``0 * r``."""
+    factor = None
+    if x.op == "binary" and x.attrs[0] == "mul":
+        a, b = x.args
+        x, factor = (a, b) if a.op == "where" else (b, a)
+        if not _row_constant(factor):
+            return None
     if x.op != "where" or not _is_zero(x.args[2]):
         return None
     test, value = x.args[0], x.args[1]
@@ -1145,20 +1161,32 @@ def selection(x: PNode) -> tuple[PNode, PNode] | None:
         return None
     last = len(x.shape) - 1
     sides = [a for a in test.args if not (a.op == "iota" and a.attrs[0] == last)]
-    if len(sides) != 1 or not _constant_along_last(sides[0]):
+    if len(sides) != 1 or not _row_constant(sides[0]):
         return None
-    return sides[0], value
+    return sides[0], value, factor
+
+
+def _row_constant(node: PNode) -> bool:
+    """Whether ``node`` is the same along its last axis, by its form: constants, values
+    broadcast or read with a stride of 0 along it, and pointwise functions of them."""
+    if not node.shape or node.shape[-1] == 1 or node.op == "const":
+        return True
+    if node.op == "broadcast":  # (aligned from the right, as torch broadcasts)
+        inner = node.args[0]
+        return not inner.shape or inner.shape[-1] == 1
+    if node.op == "load":
+        return node.attrs[1][-1] == 0
+    if node.op == "iota":
+        return node.attrs[0] != len(node.shape) - 1
+    if node.op in ("unary", "binary", "where", "cast"):
+        return all(_row_constant(a) for a in node.args)
+    return False
 
 
 def _is_zero(node: PNode) -> bool:
-    return node.op == "const" and float(node.attrs[0]) == 0
-
-
-def _constant_along_last(node: PNode) -> bool:
-    """``node`` (under casts) broadcasts a value of length 1 along its last axis."""
-    while node.op == "cast":
+    while node.op in ("broadcast", "cast"):
         node = node.args[0]
-    return node.op == "broadcast" and node.args[0].shape[-1:] == (1,) and len(node.args[0].shape) == len(node.shape)
+    return node.op == "const" and float(node.attrs[0]) == 0
 
 
 def online_softmax(sched: Schedule) -> bool:
