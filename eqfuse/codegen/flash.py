@@ -177,8 +177,10 @@ def _without_empty_row_guard(root: PNode, scores: PNode) -> PNode:
     if zero.op != "const" or float(zero.attrs[0]) != 0:
         return root
     test = _strip(node.args[0], ("broadcast",))
-    inf = _strip(test.args[1], ("broadcast", "cast")) if test.op == "binary" else test
-    if test.op != "binary" or test.attrs[0] != "eq" or inf.op != "const" or float(inf.attrs[0]) != float("-inf"):
+    if test.op != "binary" or test.attrs[0] != "eq":
+        return root
+    inf = _strip(test.args[1], ("broadcast", "cast"))
+    if inf.op != "const" or float(inf.attrs[0]) != float("-inf"):
         return root
     top = _strip(test.args[0], ("cast", "broadcast"))
     if top.op != "reduce" or top.attrs[0] != "max" or _strip(top.args[0], ("cast",)) is not _strip(scores, ("cast",)):
