@@ -210,8 +210,24 @@ def test_only_eager_steps_that_keep_to_the_stream_are_recorded():
     fixed_size = [_step(aten.convolution.default, "x", "w", None, [16, 16], [0, 0], [1, 1], False, [0, 0], 1),
                   _step(aten.cumsum.default, "x", 1), _step(aten.topk.default, "x", 2), _step(aten.sort.default, "x")]
     assert unrecordable(fixed_size) is None
-    for host_reads in (aten.index.Tensor, aten.embedding_dense_backward.default):
-        assert "wait for the GPU" in unrecordable([*fixed_size, _step(host_reads, "x")])
+    assert "wait for the GPU" in unrecordable([*fixed_size, _step(aten.masked_select.default, "x", "m")])
+
+
+def test_indexing_and_the_embedding_backward_are_recorded_unless_they_read_on_the_host():
+    from eqfuse.runtime.graphs import unrecordable
+    from eqfuse.schema.eager_steps import substituted
+    from eqfuse.schema.from_fx import BufRef
+    from eqfuse.schema.plan import BufArg
+
+    aten = torch.ops.aten
+    rows, mask = BufRef("rows", (4,), (1,), 0), BufArg("mask")
+    dtypes = {"x": "float32", "rows": "int64", "mask": "bool"}
+    assert unrecordable([_step(aten.index.Tensor, "x", [None, rows])], dtypes) is None
+    assert "nonzero" in unrecordable([_step(aten.index.Tensor, "x", [mask])], dtypes)
+    assert "nonzero" in unrecordable([_step(aten.index.Tensor, "x", [BufArg("unknown")])], dtypes)
+    backward = substituted(aten.embedding_dense_backward.default)
+    assert unrecordable([_step(backward, "g", "i", 10, -1, False)]) is None
+    assert "scale_grad_by_freq" in unrecordable([_step(backward, "g", "i", 10, -1, True)])
 
 
 def _attention_with_lse(q, k, v):

@@ -32,6 +32,7 @@ import torch
 from ..codegen.kernel import generate, looped_passes, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
+from ..schema.eager_steps import underlying_op
 from ..schema.from_fx import BufRef
 from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides, step_reads
 from ..schema.terms import bits_float, buffer_name, dtype_name
@@ -770,7 +771,7 @@ def _dependencies(kernels: dict, fallbacks: dict, reads: dict | None = None):
 def draws_random_numbers(target) -> bool:
     """Whether the op an eager step runs draws from torch's random generator (dropout,
     rand_like, bernoulli: ops tagged ``nondeterministic_seeded``)."""
-    op = getattr(target, "target", target)  # from_fx.EagerCall wraps the op
+    op = underlying_op(target)
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 

@@ -401,7 +401,7 @@ class _Variant:
 
         if not (self.options.cuda_graphs and self.device.type == "cuda" and self.kernels):
             return None
-        why = unrecordable(self.plan.fallbacks)
+        why = unrecordable(self.plan.fallbacks, {b.name: b.dtype for b in self.plan.buffers.values()})
         cost, limit = self.plan.cost, self.options.cuda_graphs_under_us
         if cost >= limit:
             why = f"modelled at {cost:.0f} us, past cuda_graphs_under_us ({limit:.0f})"

@@ -36,14 +36,16 @@ log = logging.getLogger("eqfuse")
 # Eager ops a recording may hold: each only launches kernels on the current stream, with
 # its memory from the caching allocator, and never waits for the GPU (an op that reads a
 # result on the host, such as nonzero or .item(), or one that draws random numbers, is not
-# here: index.Tensor with a bool mask calls nonzero, the embedding's backward counts its
-# segments on the host). The attention ops draw random numbers only for dropout:
-# recordable without it. A recording that fails anyway runs kernel by kernel, with a warning.
+# here). The attention ops draw random numbers only for dropout: recordable without it.
+# index.Tensor is, with integer indices (a bool mask calls nonzero); the embedding's
+# backward is, without scale_grad_by_freq (ATen's sums runs of sorted indices with a
+# bound on their count instead of reading it: recorded on an H200 with torch 2.11).
+# A recording that fails anyway runs kernel by kernel, with a warning.
 RECORDABLE_EAGER_OPS = frozenset({
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "embedding", "index_select", "gather",
+    "embedding", "index_select", "gather", "index", "embedding_dense_backward",
     # ViT's patch embedding (cuDNN, its workspace from the caching allocator); padding,
     # scans, sorts and selections of a fixed size (OPT's positions, a mixture of experts' routing)
     "convolution", "constant_pad_nd", "cumsum", "sort", "topk", "div",
@@ -93,10 +95,12 @@ class _Recording:
         return self.references() == self.alone
 
 
-def unrecordable(steps) -> str | None:
-    """Why a graph with these eager steps (plan.FallbackStep) cannot be recorded, or None."""
+def unrecordable(steps, dtypes: dict | None = None) -> str | None:
+    """Why a graph with these eager steps (plan.FallbackStep) cannot be recorded, or None.
+    ``dtypes``: buffer name -> dtype name, for the indices an ``index`` step reads."""
     from torch.fx.operator_schemas import normalize_function
 
+    from ..schema.eager_steps import underlying_op
     from ..schema.from_fx import step_op
 
     for step in steps:
@@ -105,11 +109,21 @@ def unrecordable(steps) -> str | None:
             return f"its eager step {step.node} ({name}) may wait for the GPU or allocate outside a recording"
         if name == "empty":
             continue
-        target = getattr(step.target, "target", step.target)  # from_fx.EagerCall wraps the op
-        arguments = normalize_function(target, step.args, step.kwargs, normalize_to_only_use_kwargs=True)
-        if arguments.kwargs.get("dropout_p"):
+        arguments = normalize_function(underlying_op(step.target), step.args, step.kwargs,
+                                       normalize_to_only_use_kwargs=True).kwargs
+        if arguments.get("dropout_p"):
             return f"its eager step {step.node} draws random numbers (dropout)"
+        if arguments.get("scale_grad_by_freq"):
+            return f"its eager step {step.node} ({name}) counts the indices on the host (scale_grad_by_freq)"
+        if name == "index" and not all(_integer(i, dtypes or {}) for i in arguments["indices"] if i is not None):
+            return f"its eager step {step.node} (index) may take a bool mask, which waits for the GPU (nonzero)"
     return None
+
+
+def _integer(ref, dtypes: dict) -> bool:
+    """Whether the buffer an eager step reads (from_fx.BufRef / plan.BufArg) holds integers."""
+    dtype = dtypes.get(getattr(ref, "buf", None) or getattr(ref, "name", None)) or "bool"
+    return dtype.startswith(("int", "uint")) and dtype != "uint8"
 
 
 class GraphReplayer:

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import Unsupported
 from . import ops
+from .eager_steps import substituted, underlying_op
 from .ops import dtype_name
 from .plan import BufArg, contiguous_strides
 
@@ -290,7 +291,7 @@ class Translator:
             else:
                 entries.append(_Opaque(name))
                 info.append(((), None))
-        target = EagerCall.wrap(node, metas)
+        target = EagerCall.wrap(node, metas, substituted(node.target))
         self.fallbacks.append(Fallback(node.name, target, args, kwargs, reason, names, multi, info))
         self.env[node] = entries if multi else entries[0]
 
@@ -427,13 +428,14 @@ class EagerCall:
     results: tuple  # per result: likewise
 
     @staticmethod
-    def wrap(node, out_metas):
+    def wrap(node, out_metas, target):
+        """``target`` (``node``'s op or its substitute) run with eager's layouts where it needs them."""
         args = tuple(_layout(_meta(a)) for a in node.args)
         kwargs = tuple((k, _layout(_meta(a))) for k, a in node.kwargs.items())
         results = tuple(_layout(m) for m in out_metas)
         if not any(args) and not any(s for _, s in kwargs) and not any(results):
-            return node.target
-        return EagerCall(node.target, args, kwargs, results)
+            return target
+        return EagerCall(target, args, kwargs, results)
 
     def __call__(self, *args, **kwargs):
         args = [_relayout(a, s) for a, s in zip(args, self.args)] + list(args[len(self.args):])
@@ -445,7 +447,7 @@ class EagerCall:
         return type(out)(outs) if multi else outs[0]
 
     def __repr__(self):
-        return f"{_op_name(self.target)} (with eager's memory layouts)"
+        return f"{_op_name(underlying_op(self.target))} (with eager's memory layouts)"
 
 
 def _relayout(x, layout):
@@ -498,7 +500,7 @@ def step_op(target) -> str:
     ``empty`` for a tensor with no elements."""
     if isinstance(target, EmptyTensor):
         return "empty"
-    target = getattr(target, "target", target)  # EagerCall wraps the op
+    target = underlying_op(target)
     packet = getattr(target, "overloadpacket", None)
     return getattr(packet, "__name__", None) or _op_name(target)
 
