@@ -224,3 +224,36 @@ def test_on_the_gpu_a_plain_product_is_cublas(monkeypatch, dtype):
     for _ in range(3):  # recorded into a CUDA graph, then replayed
         assert_matches(compiled(a, b), (a @ b).softmax(-1), contraction=True)
     assert DEVICE == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_odd_rows_are_padded_for_the_products(cublas, dtype):
+    """A cross-entropy's gradient shape: a softmax over 1030 columns read by two products
+    (as the gradient of GPT-2's logits is, for its input and for the weight). The
+    intermediate's rows (1030 elements, not a multiple of 16 bytes) are padded to 128
+    bytes, so that both products are library calls on aligned operands."""
+    x, w, h = (torch.randn(24, 1030, dtype=dtype), torch.randn(1030, 40, dtype=dtype),
+               torch.randn(24, 40, dtype=dtype))
+
+    def fn(x, w, h):
+        g = (torch.softmax(x.float(), -1) - 0.5).to(dtype)
+        return g @ w, g.T @ h
+
+    compiled = eqfuse.compile(fn, [x, w, h])
+    for got, expected in zip(compiled(x, w, h), fn(x, w, h)):
+        assert_matches(got, expected, contraction=True)
+    padded = {b.name: b.strides for b in compiled.plan.buffers.values() if b.strides is not None}
+    row = 1056 if dtype == torch.float32 else 1088
+    assert list(padded.values()) == [(row, 1)], compiled.explain()
+    assert len(compiled.library_calls) == 2, compiled.explain()
+    for call in compiled.library_calls:
+        assert call.operands[0].buf in padded and row in call.operands[0].strides
+
+
+def test_padding_leaves_short_aligned_and_shared_rows():
+    from eqfuse.codegen.padding import padded_strides
+    assert padded_strides((24, 1030), 4) == (1056, 1)
+    assert padded_strides((2, 3, 50257), 2) == (3 * 50304, 50304, 1)
+    assert padded_strides((24, 1032), 2) is None  # 2064 bytes: a multiple of 16
+    assert padded_strides((24, 1000), 2) is None  # short rows
+    assert padded_strides((1030,), 4) is None  # one row

@@ -253,6 +253,27 @@ def test_slice_scatter(shape, dim, start, end, dtype):
     assert_matches(compiled(base, src), f(base, src))
 
 
+def test_copy_into_a_slice_is_a_kernel():
+    """T5 shifting its labels right: ``out[..., 1:] = ids[..., :-1]``, which torch.compile
+    hands over as ``aten.copy`` into a slice and a slice_scatter; also a float copied into
+    an int tensor (truncated) and a scalar broadcast."""
+    def shift_right(ids, scale):
+        out = ids.new_zeros(ids.shape)
+        out[..., 1:] = ids[..., :-1].clone()
+        out[..., 0] = 7
+        out[0] = scale * 2.5  # cast to int64 on copy
+        return out.masked_fill(out == -100, 0)
+
+    ids = torch.randint(-100, 50, (3, 9))
+    ids[1, 2] = -100
+    scale = torch.tensor([[1.9], [-3.7], [0.2]])[:1].expand(1, 9).contiguous()
+    compiled = torch.compile(shift_right, backend="eqfuse", fullgraph=True)
+    assert torch.equal(compiled(ids, scale), shift_right(ids, scale))
+    captured = eqfuse.compile(shift_right, (ids, scale))
+    assert captured.fallbacks == [], captured.explain()
+    assert torch.equal(captured(ids, scale), shift_right(ids, scale))
+
+
 def test_slice_scatter_of_inputs_reads_them_in_place():
     """Unmodified input parts are strided loads of the input: one kernel, exact values."""
     base, src = torch.randn(4, 10), torch.randn(4, 3)

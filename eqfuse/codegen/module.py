@@ -20,6 +20,7 @@ from ..schema.plan import (
 from . import kernel as kgen
 from .kmajor import kmajor_operands
 from .library import library_products
+from .padding import pad_rows
 from .split import split_reductions
 from .splitk import split_matmuls
 
@@ -105,7 +106,7 @@ def launch_options(info: KernelInfo) -> str:
     return kw
 
 
-def prepare(plan: Plan, library: bool = False) -> None:
+def prepare(plan: Plan, library: bool = False, padded: bool = False) -> None:
     """The plan rewritten into the kernels the module launches. Matmuls and reductions too
     narrow to fill the GPU become two kernels (codegen/splitk.py, codegen/split.py; split-K
     first, whose second stage split reductions leave alone). The plan itself is rewritten,
@@ -113,7 +114,10 @@ def prepare(plan: Plan, library: bool = False) -> None:
     the kernels this module launches. Before them, TF32 products get K-major copies of
     their N-major right operands (codegen/kmajor.py): split-K then chunks the copy. First
     of all, with ``library`` (a plan run on a GPU), plain products become cuBLAS calls
-    (codegen/library.py), which none of those passes touches."""
+    (codegen/library.py), which none of those passes touches; with ``padded``, before
+    that, long rows of odd widths are padded (codegen/padding.py)."""
+    if padded:
+        pad_rows(plan)
     if library:
         library_products(plan)
     kmajor_operands(plan)
@@ -125,7 +129,7 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
     """Returns (source, [KernelInfo]). ``configs`` maps kernel name -> tuned config;
     ``library``: plain products as cuBLAS calls (``prepare``)."""
     configs = configs or {}
-    prepare(plan, library)
+    prepare(plan, library, padded=library)
     infos = [kernel_info(k, plan.buffers, configs.get(k.name)) for k in plan.kernels]
     body, rets = call_lines(plan, infos)
     return assemble(title, version, infos, _launcher_line, [b.name for b in plan.inputs], body, rets), infos

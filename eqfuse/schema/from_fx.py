@@ -648,6 +648,19 @@ def _to_copy(tr, node, x, *args, **kw):
     return Computed(tr.cast(tr.value(x), x.dtype, dt, shape), shape, dt)
 
 
+@handles(aten.copy)
+def _copy_into(tr, node, dst, src, non_blocking=False):
+    """``aten.copy(dst, src)``, a functionalised ``dst.copy_(src)`` (T5 shifting its labels
+    right): ``src``'s values broadcast to ``dst``'s shape, in ``dst``'s dtype."""
+    shape, dt = _out(node)
+    if isinstance(src, (BufferView, Computed)) and str(_meta(node.args[1]).device) != str(_meta(node).device):
+        raise Unsupported("a copy between devices")
+    v = tr.operand(src, shape, dt)
+    if not isinstance(src, (BufferView, Computed)) and shape:
+        v = tr.mk(tr.t.Broadcast(v, tr.ivec(shape)), dt, shape)
+    return Computed(v, shape, dt)
+
+
 @handles(aten.alias, aten.detach)
 def _identity(tr, node, x, *args, **kw):
     return x
@@ -929,14 +942,32 @@ def _slice_scatter(tr, node, base, src, dim=0, start=None, end=None, step=1):
     ``base`` is zeros). Empty parts are left out."""
     if step != 1:
         raise Unsupported(f"slice_scatter with step {step} (only step 1 is a concatenation)")
-    for x in (base, src):
-        if not isinstance(x, (BufferView, Computed)):
-            raise Unsupported("slice_scatter of a non-tensor")
     shape, dt = _out(node)
     dim = dim % len(shape)
-    lo = _norm_start(start, shape[dim])
+    return _written_over(tr, base, src, dim, _norm_start(start, shape[dim]), dt)
+
+
+@handles(aten.select_scatter)
+def _select_scatter(tr, node, base, src, dim, index):
+    """``base`` with ``src`` written over ``base.select(dim, index)``: a slice_scatter of
+    ``src`` with ``dim`` put back as size 1."""
+    shape, dt = _out(node)
+    dim = dim % len(shape)
+    if not isinstance(src, (BufferView, Computed)):
+        raise Unsupported("select_scatter of a non-tensor")
+    one = (*shape[:dim], 1, *shape[dim + 1:])
+    row = Computed(tr.mk(tr.t.Reshape(tr.value(src), tr.ivec(one)), src.dtype, one), one, src.dtype)
+    return _written_over(tr, base, row, dim, index % shape[dim], dt)
+
+
+def _written_over(tr, base, src, dim: int, lo: int, dt: str) -> Computed:
+    """``base`` with ``src`` over ``[lo, lo + len)`` along ``dim``: the concatenation of
+    ``base``'s parts around it and ``src``, empty parts left out."""
+    for x in (base, src):
+        if not isinstance(x, (BufferView, Computed)):
+            raise Unsupported("a scatter of a non-tensor")
     hi = lo + src.shape[dim]  # src has exactly the sliced extent (torch checks it)
-    parts = [_part(tr, base, dim, 0, lo), src, _part(tr, base, dim, hi, shape[dim] - hi)]
+    parts = [_part(tr, base, dim, 0, lo), src, _part(tr, base, dim, hi, base.shape[dim] - hi)]
     parts = [p for p in parts if p.shape[dim] > 0]
     if not parts:  # an empty tensor: any part states it
         parts = [src]
