@@ -13,6 +13,7 @@ from conftest import DEVICE, assert_matches
 
 import eqfuse
 from eqfuse.codegen import library
+from eqfuse.schema.plan import step_reads
 
 
 @pytest.fixture
@@ -257,3 +258,30 @@ def test_padding_leaves_short_aligned_and_shared_rows():
     assert padded_strides((24, 1032), 2) is None  # 2064 bytes: a multiple of 16
     assert padded_strides((24, 1000), 2) is None  # short rows
     assert padded_strides((1030,), 4) is None  # one row
+
+
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_an_input_with_long_odd_rows_is_copied_once_for_its_products(cublas, monkeypatch, epilogue):
+    """The gradient of GPT-2's logits reaches the backward's graph as an input with rows
+    50257 apart: it is copied once into padded rows, and both products read the copy (as
+    library calls where nothing is fused around them)."""
+    from eqfuse.codegen import padding
+    monkeypatch.setattr(padding, "MIN_COPIED", 1)
+    g, w, h = torch.randn(24, 1030), torch.randn(1030, 40), torch.randn(24, 40)
+
+    def fn(g, w, h):
+        dx, dw = g @ w, g.T @ h
+        return (dx + h, dw * 2.0) if epilogue else (dx, dw)
+
+    compiled = eqfuse.compile(fn, [g, w, h])
+    for got, expected in zip(compiled(g, w, h), fn(g, w, h)):
+        assert_matches(got, expected, contraction=True)
+    copies = [k for k in compiled.plan.kernels if padding.COPY_SUFFIX in k.name]
+    assert len(copies) == 1, compiled.explain()
+    (_, copy), = copies[0].roots
+    assert compiled.plan.buffers[copy].strides == (1056, 1)
+    products = [s for s in compiled.plan.steps if s is not copies[0]]
+    readers = [s for s in products if copy in step_reads(s)]
+    assert len(readers) == 2, compiled.explain()
+    if not epilogue:
+        assert len(compiled.library_calls) == 2, compiled.explain()

@@ -148,7 +148,7 @@ def build(spec: KernelSpec, rights: list, buffers: dict) -> tuple:
         name = spec.name + SUFFIX + (str(i) if i else "")
         perm = _swap_last(len(b.shape))
         shape = tuple(b.shape[:-2]) + (b.shape[-1], b.shape[-2])  # [..., N, K]
-        buf = Buffer(_fresh(f"buf_{name}", buffers, new_buffers), shape, "float32", "temp")
+        buf = Buffer(fresh_buffer_name(f"buf_{name}", buffers, new_buffers), shape, "float32", "temp")
         root = PNode("permute", (perm,), (b,), shape, b.dtype)
         copies.append(KernelSpec(name, [(root, buf.name)], list(spec.fx_nodes)))
         new_buffers.append(buf)
@@ -164,7 +164,8 @@ def _swap_last(ndim: int) -> tuple:
     return tuple(range(ndim - 2)) + (ndim - 1, ndim - 2)
 
 
-def _fresh(base: str, buffers: dict, taken: list) -> str:
+def fresh_buffer_name(base: str, buffers: dict, taken: list = ()) -> str:
+    """``base``, or ``base_<k>``: a name neither ``buffers`` nor the ``taken`` Buffers have."""
     names = set(buffers) | {b.name for b in taken}
     k, out = 0, base
     while out in names:

@@ -20,7 +20,7 @@ from ..schema.plan import (
 from . import kernel as kgen
 from .kmajor import kmajor_operands
 from .library import library_products
-from .padding import pad_rows
+from .padding import aligned_operands, pad_rows
 from .split import split_reductions
 from .splitk import split_matmuls
 
@@ -115,9 +115,11 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False) -> None:
     their N-major right operands (codegen/kmajor.py): split-K then chunks the copy. First
     of all, with ``library`` (a plan run on a GPU), plain products become cuBLAS calls
     (codegen/library.py), which none of those passes touches; with ``padded``, before
-    that, long rows of odd widths are padded (codegen/padding.py)."""
+    that, long rows of odd widths are padded, and products' operands read from such rows
+    read padded copies (codegen/padding.py)."""
     if padded:
         pad_rows(plan)
+        aligned_operands(plan)
     if library:
         library_products(plan)
     kmajor_operands(plan)

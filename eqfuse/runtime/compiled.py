@@ -19,6 +19,12 @@ VERSION = "0.1.0"
 # CUDA graphs: copying in inputs that move between calls (runtime/graphs.py) is worth it
 COPY_IN_SHARE = 0.1  # where it takes at most this share of the graph's modelled time
 LAUNCHES_PER_COPY = 4  # and each copy saves this many launches or more
+# A graph modelled past ``cuda_graphs_under_us`` is recorded all the same where its steps'
+# host time (this much each, a conservative guess: T5's training step took 16 ms of wall
+# time for 7.3 ms of kernels in about 300 launches, H200) is this share of its GPU time
+# or more: the host then sets the pace (T5's backward, modelled at 2019 us).
+HOST_US_PER_STEP = 8.0
+HOST_SHARE = 0.25
 log = logging.getLogger("eqfuse")
 
 
@@ -40,9 +46,9 @@ class Options:
     autotune: bool = True
     validate: bool = True  # check the extracted plan against the graph on the example inputs
     cuda_graphs: bool = True  # replay launches from CUDA graphs when inputs come back at the same addresses
-    # ... for plans modelled to run under this many microseconds only: a long graph gains
-    # little from one launch, while its recordings keep their memory (the backend sets it
-    # for training graphs)
+    # ... for plans modelled to run under this many microseconds only, or whose launches
+    # the host takes long over (HOST_SHARE): a long graph gains little from one launch,
+    # while its recordings keep their memory (the backend sets it for training graphs)
     cuda_graphs_under_us: float = float("inf")
     # compile the kernels in a pool of worker processes before their first launch, not one
     # after the other as they are first launched (GPU only; EQFUSE_PARALLEL_COMPILE=0 turns it off)
@@ -403,8 +409,9 @@ class _Variant:
             return None
         why = unrecordable(self.plan.fallbacks, {b.name: b.dtype for b in self.plan.buffers.values()})
         cost, limit = self.plan.cost, self.options.cuda_graphs_under_us
-        if cost >= limit:
-            why = f"modelled at {cost:.0f} us, past cuda_graphs_under_us ({limit:.0f})"
+        if cost >= limit and len(self.plan.steps) * HOST_US_PER_STEP < HOST_SHARE * cost:
+            why = (f"modelled at {cost:.0f} us, past cuda_graphs_under_us ({limit:.0f}), "
+                   f"in {len(self.plan.steps)} launches")
         if why:
             self.report["no_cuda_graphs"] = why
             return None
