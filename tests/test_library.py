@@ -285,3 +285,17 @@ def test_an_input_with_long_odd_rows_is_copied_once_for_its_products(cublas, mon
     assert len(readers) == 2, compiled.explain()
     if not epilogue:
         assert len(compiled.library_calls) == 2, compiled.explain()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matrix_added_to_a_product_is_cublas_epilogue(cublas, dtype):
+    """A residual (or a tied weight's other gradient) added to a product: ``torch.addmm``
+    (``baddbmm`` over a batch), the sum rounded once; a bias broadcast over the rows stays
+    a generated kernel's epilogue."""
+    g, w, h = torch.randn(64, 256, dtype=dtype), torch.randn(256, 48, dtype=dtype), torch.randn(64, 48, dtype=dtype)
+    compiled = _check(lambda g, w, h: g @ w + h, [g, w, h], kernels=0, calls=["addmm"])
+    assert "+ a matrix" in compiled.library_calls[0].description
+    _check(lambda g, w, h: h + g @ w, [g, w, h], kernels=0, calls=["addmm"])
+    _check(lambda g, w, h: g @ w + h[0], [g, w, h], kernels=1, calls=[])
+    a, b, c = (torch.randn(shape, dtype=dtype) for shape in ((3, 32, 64), (3, 64, 16), (3, 32, 16)))
+    _check(lambda a, b, c: torch.bmm(a, b) + c, [a, b, c], kernels=0, calls=["baddbmm"])

@@ -1,8 +1,9 @@
 """Plain matrix products handed to cuBLAS.
 
 A kernel that is one matrix product and nothing else (its operands read as stored,
-through index maps only; its output stored as it comes out, no bias, no activation, no
-dequantisation) gains nothing from being generated: there is nothing to fuse, and
+through index maps only; its output stored as it comes out, no activation, no
+dequantisation; at most a matrix read as stored added, which cuBLAS adds in its epilogue:
+``torch.addmm``) gains nothing from being generated: there is nothing to fuse, and
 cuBLAS's kernels are the mark a generated product is measured against. Triton's were
 up to 9% behind at square fp16 and bf16 sizes, 1.3x behind under TF32 (where Hopper's
 instruction wants B K-major and the generated plan first copies it) and 1.4x behind at
@@ -57,11 +58,13 @@ def library_products(plan: Plan) -> None:
 
 def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
     """The LibraryCall computing ``spec``, or None where it is not one plain product of
-    layouts cuBLAS takes."""
+    layouts cuBLAS takes, or one plus a matrix read as stored (``torch.addmm``: cuBLAS adds
+    it as the product's epilogue, a residual or a tied weight's other gradient)."""
     if len(spec.roots) != 1:
         return None
     root, out = spec.roots[0]
-    product, out_view = _product_output(root, buffers[out])
+    root, added = _sum_of_product(root)
+    product, out_view, added_view = _product_output(root, buffers[out], added)
     if product is None or product.op != "dot" or 0 in product.shape or product.args[0].shape[-1] == 0:
         return None
     a, b = product.args
@@ -80,11 +83,39 @@ def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
         if not blas_layout(t.shape[-2:], t.stride()[-2:]) or not aligned(t, ITEMSIZE[product.dtype]):
             return None
         matrices.append(BufRef(buf, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+    op = "bmm" if batched else "mm"
+    if added is not None:
+        if added.dtype != product.dtype or added_view is None:
+            return None
+        buf, t = added_view
+        if 0 in t.stride():  # a bias broadcast over rows: the generated kernel's epilogue reads it once
+            return None
+        try:
+            t = t.view(-1, *t.shape[-2:]) if batched else t
+        except RuntimeError:
+            return None
+        matrices.insert(2, BufRef(buf, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+        op = "baddbmm" if batched else "addmm"
     *_, m, n = product.shape
     k = a.shape[-1]
-    batch = f"{matrices[2].shape[0]} x " if batched else ""
-    return LibraryCall(spec.name, "bmm" if batched else "mm", matrices[:2], matrices[2],
-                       f"{batch}[{m} x {k}] @ [{k} x {n}] {product.dtype}", list(spec.fx_nodes))
+    batch = f"{matrices[-1].shape[0]} x " if batched else ""
+    plus = " + a matrix" if added is not None else ""
+    return LibraryCall(spec.name, op, matrices[:-1], matrices[-1],
+                       f"{batch}[{m} x {k}] @ [{k} x {n}]{plus} {product.dtype}", list(spec.fx_nodes))
+
+
+def _sum_of_product(root: PNode) -> tuple:
+    """(the side of ``root`` that is a product under index maps, the plain read added to
+    it) where ``root`` is such a sum; else (``root``, None)."""
+    if root.op != "binary" or root.attrs[0] != "add":
+        return root, None
+    for mine, other in ((0, 1), (1, 0)):
+        node = root.args[mine]
+        while node.op in ("reshape", "permute"):
+            node = node.args[0]
+        if node.op == "dot" and strided_view(root.args[other]) is not None:
+            return root.args[mine], root.args[other]
+    return root, None
 
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -108,20 +139,24 @@ def blas_layout(shape, strides) -> bool:
     return (s_cols == 1 and s_rows >= max(1, cols)) or (s_rows == 1 and s_cols >= max(1, rows))
 
 
-def _product_output(root: PNode, buffer) -> tuple:
+def _product_output(root: PNode, buffer, added: PNode | None = None) -> tuple:
     """(the product under ``root``'s reshapes and permutes, the meta view of ``buffer``
-    it would be written through), or (None, None) where ``root`` is something else."""
-    view = meta_view(buffer.shape, buffer.layout)
+    it would be written through, the view of ``added`` read alike, or None), or (None,
+    None, None) where ``root`` is something else."""
+    views = [meta_view(buffer.shape, buffer.layout)]
+    read = strided_view(added) if added is not None else None
+    if read is not None:
+        views.append(read[1])
     node = root
     try:
         while node.op in ("reshape", "permute"):
             inner = node.args[0]
             if node.op == "reshape":
-                view = view.view(inner.shape)
+                views = [v.view(inner.shape) for v in views]
             else:
                 inverse = sorted(range(len(node.attrs[0])), key=node.attrs[0].__getitem__)
-                view = view.permute(*inverse)
+                views = [v.permute(*inverse) for v in views]
             node = inner
     except RuntimeError:  # a reshape no view of the buffer's strides makes
-        return None, None
-    return node, view
+        return None, None, None
+    return node, views[0], ((read[0], views[1]) if read is not None else None)

@@ -186,8 +186,8 @@ def call_lines(plan: Plan, infos: list, size: str = "") -> tuple[list, list]:
                 continue
             body.append(f"{info.name}_launch({', '.join(([size] if size else []) + info.params)})")
         elif isinstance(step, LibraryCall):
-            a, b = (strided(v) for v in step.operands)
-            body.append(f"torch.{step.op}({a}, {b}, out={strided(step.out)})  # {step.name}")
+            a, b, *added = (strided(v) for v in step.operands)  # addmm: the matrix added first
+            body.append(f"torch.{step.op}({', '.join([*added, a, b])}, out={strided(step.out)})  # {step.name}")
         else:
             assert isinstance(step, FallbackStep)
             refs = sorted(step_reads(step))

@@ -132,8 +132,8 @@ class LibraryCall:
     plain matrix product as ``torch.<op>`` (mm, bmm: cuBLAS on a GPU, codegen/library.py)
     over views of the buffers it reads, writing its output into the planned buffer."""
     name: str  # the name of the kernel it replaces
-    op: str  # mm | bmm
-    operands: list  # [BufRef] the left and right matrices (stacks of them for bmm)
+    op: str  # mm | bmm | addmm | baddbmm
+    operands: list  # [BufRef] the left and right matrices (stacks of them for bmm), then the one added
     out: Any  # BufRef of the output's buffer, as the product lays it out
     description: str  # for explain(): the product's shapes and dtype
     fx_nodes: list = field(default_factory=list)
