@@ -246,9 +246,12 @@ def test_long_odd_rows_are_padded_for_the_products(cublas, dtype):
     padded = {b.name: b.strides for b in compiled.plan.buffers.values() if b.strides is not None}
     row = 1056 if dtype == torch.float32 else 1088
     assert list(padded.values()) == [(row, 1)], compiled.explain()
-    assert len(compiled.library_calls) == 2, compiled.explain()
-    for call in compiled.library_calls:
-        assert call.operands[0].buf in padded and row in call.operands[0].strides
+    # g @ w runs along g's rows (K = 1030, unit stride): a generated kernel, reading the
+    # padded rows too (odd_contiguous_k); g^T @ h runs along g's columns: cuBLAS
+    call, = compiled.library_calls
+    assert call.description.startswith("[1030 x 24] @ [24 x 40]"), compiled.explain()
+    assert call.operands[0].buf in padded and row in call.operands[0].strides
+    assert any(k.name for k in compiled.plan.kernels if set(padded) & step_reads(k))
 
 
 def test_padding_leaves_short_aligned_and_shared_rows():
@@ -283,8 +286,9 @@ def test_an_input_with_long_odd_rows_is_copied_once_for_its_products(cublas, mon
     products = [s for s in compiled.plan.steps if s is not copies[0]]
     readers = [s for s in products if copy in step_reads(s)]
     assert len(readers) == 2, compiled.explain()
-    if not epilogue:
-        assert len(compiled.library_calls) == 2, compiled.explain()
+    calls = [c.description for c in compiled.library_calls]
+    # with epilogues: g @ w + h runs along g's rows (odd K), g^T @ h * 2 is no plain product
+    assert calls == ([] if epilogue else ["[1030 x 24] @ [24 x 40] float32"]), compiled.explain()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -299,3 +303,12 @@ def test_a_matrix_added_to_a_product_is_cublas_epilogue(cublas, dtype):
     _check(lambda g, w, h: g @ w + h[0], [g, w, h], kernels=1, calls=[])
     a, b, c = (torch.randn(shape, dtype=dtype) for shape in ((3, 32, 64), (3, 64, 16), (3, 32, 16)))
     _check(lambda a, b, c: torch.bmm(a, b) + c, [a, b, c], kernels=0, calls=["baddbmm"])
+
+
+def test_an_odd_k_along_a_unit_stride_is_not_cublas():
+    from eqfuse.codegen.library import odd_contiguous_k
+    assert odd_contiguous_k((50304, 1), (768, 1), 50257, 2)  # A along K
+    assert odd_contiguous_k((1, 24), (1, 50257), 50257, 2)  # B along K
+    assert not odd_contiguous_k((1, 50304), (768, 1), 4096, 2)  # M odd along A's unit stride
+    assert not odd_contiguous_k((1, 100), (8, 1), 1, 4)  # an outer product
+    assert not odd_contiguous_k((1032, 1), (768, 1), 1032, 2)

@@ -83,6 +83,8 @@ def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
         if not blas_layout(t.shape[-2:], t.stride()[-2:]) or not aligned(t, ITEMSIZE[product.dtype]):
             return None
         matrices.append(BufRef(buf, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+    if odd_contiguous_k(matrices[0].strides, matrices[1].strides, a.shape[-1], ITEMSIZE[product.dtype]):
+        return None
     op = "bmm" if batched else "mm"
     if added is not None:
         if added.dtype != product.dtype or added_view is None:
@@ -130,6 +132,17 @@ def aligned(t, itemsize: int) -> bool:
     where torch.compile, padding the rows, took 441 (benchmarks/results/zoo_*.json)."""
     strides = [s for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1]
     return all((s * itemsize) % ALIGNMENT == 0 for s in (*strides, t.storage_offset()))
+
+
+def odd_contiguous_k(a_strides, b_strides, k: int, itemsize: int) -> bool:
+    """Whether an operand runs along K with unit stride and K is not a whole number of 16
+    bytes: cuBLAS then takes kernels that load one element at a time, however the rows
+    are aligned (GPT-2's logits gradient times the embedding, K = 50257 with its rows
+    padded: ``cutlass_75_tensorop_bf16_s1688gemm_bf16_256x128_nn_align1`` in 2546 us on an
+    H200, where a Triton kernel took 1513). An operand with M or N odd along its unit
+    stride took an aligned kernel (the weight's gradient, M = 50257: 649 us)."""
+    along_k = a_strides[-1] == 1 or b_strides[-2] == 1
+    return k > 1 and along_k and (k * itemsize) % ALIGNMENT != 0
 
 
 def blas_layout(shape, strides) -> bool:
