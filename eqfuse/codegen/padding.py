@@ -1,11 +1,9 @@
 """Long rows of odd widths padded to whole cache lines.
 
 A buffer whose rows are not a multiple of 16 bytes long leaves every row but the first
-unaligned: cuBLAS takes such a matrix only with kernels that load one element at a time,
-TMA not at all. GPT-2's vocabulary of 50257 does this to the gradient of its logits
-([4096 x 50257] bf16): the two products reading it ran as Triton kernels of 1598 and 1112
-us, against cuBLAS's 377-446 in torch.compile, which pads the rows (H200, training step,
-docs/zoo.md). So an intermediate buffer with rows of at least ``MIN_ROW`` elements that
+unaligned: cuBLAS takes such a matrix only with kernels that load one element at a time
+(GPT-2's LM head, a vocabulary of 50257: 3362 us on an H200 against torch.compile's 441),
+TMA not at all. So an intermediate buffer with rows of at least ``MIN_ROW`` elements that
 are not whole multiples of 16 bytes gets its rows padded to ``ROW_ALIGNMENT`` bytes, as
 Inductor's comprehensive padding does; the memory grows by a few percent at most.
 
@@ -14,13 +12,14 @@ outputs (eager's strides), not what an eager step reads, not one that a kernel l
 through another view than its own shape. Sized modules (codegen/sized.py) are not padded:
 a padded stride is not linear in a size that the rows follow.
 
-A product's operand that the graph is handed with such rows (in a training step the
-gradient of GPT-2's logits comes from the loss's graph, as its output: eager's strides)
-is copied into a padded buffer first, as Inductor does (313 us for the [4096 x 50257]
-gradient, then cuBLAS at 377-442 us a product, against eqfuse's Triton products of 1109
-and 1597 us reading it unaligned): one copy per operand, read by every product that reads
-it, where it holds at least ``MIN_COPIED`` elements (the copy's launch is what a smaller
-one costs).
+A product's operand that the graph is handed with such rows is copied into a padded
+buffer first: in a training step the gradient of GPT-2's logits comes from the loss's
+graph, [4096 x 50257] bf16 (the copy: 212 us on an H200). One copy per operand, read by
+every product that reads it, where it holds at least ``MIN_COPIED`` elements (a smaller
+one costs its launch). cuBLAS then takes the products whose K does not run along the
+padded rows (the weight's gradient: 649 us, where the generated kernel reading the
+unaligned rows took 1164); one along K = 50257 stays generated (library.odd_contiguous_k).
+Inductor also pads K itself, with zeros in both operands (``pad_mm``): not yet here.
 """
 
 from __future__ import annotations
