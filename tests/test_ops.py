@@ -468,3 +468,57 @@ def test_a_chain_of_hundreds_of_pointwise_ops_is_one_kernel():
     assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
     assert_matches(c(x), f(x))
     assert sys.getrecursionlimit() == limit
+
+
+COPIES = {
+    "clone": lambda x: x.clone(),
+    "alias_copy": lambda x: torch.alias_copy(x),
+    "t_copy": lambda x: torch.t_copy(x[0]),
+    "squeeze_copy": lambda x: torch.squeeze_copy(x[:1]),
+    "unsqueeze_copy": lambda x: torch.unsqueeze_copy(x, 0),
+    "rot90_0": lambda x: torch.rot90(x, 0),
+    "transpose_contiguous": lambda x: x.transpose(1, 2).contiguous(),
+    "expand_copy": lambda x: torch.expand_copy(x[:, :1], (4, 3, 10)),
+    "split_with_sizes_copy": lambda x: torch.split_with_sizes_copy(x, [2, 3], 1),
+}
+
+
+@pytest.mark.parametrize("name", list(COPIES))
+def test_a_copy_of_an_input_is_a_tensor_of_its_own(name):
+    """Eager returns a new tensor: so does the compiled graph, with eager's strides, and a
+    write to it leaves the input as it was."""
+    fn = COPIES[name]
+    x = torch.randn(4, 5, 10)
+    before = x.clone()
+    compiled = eqfuse.compile(fn, (x,))
+    got, want = compiled(x), fn(x)
+    got, want = (list(got), list(want)) if isinstance(want, (list, tuple)) else ([got], [want])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) and g.stride() == w.stride()
+        assert g.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        g.add_(1.0)
+    assert torch.equal(x, before)
+    assert len({g.untyped_storage().data_ptr() for g in got}) == len(got)
+
+
+@pytest.mark.parametrize("view", [lambda x: x.view(20, 10), lambda x: x[1], lambda x: x.transpose(0, 1)])
+def test_a_view_of_an_input_stays_a_view(view):
+    x = torch.randn(4, 5, 10)
+    got = eqfuse.compile(view, (x,))(x)
+    assert torch.equal(got, view(x)) and got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16])
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+def test_integer_max_and_min_start_from_the_dtypes_extremes(dtype, reduce):
+    """A row of the dtype's extreme values: the reduction starts from them (not from an
+    infinity, which no integer holds), in registers and in a loop."""
+    info = torch.iinfo(dtype)
+    for cols in (7, 3000):
+        x = torch.randint(-50, 50, (3, cols), dtype=dtype)
+        x[0] = info.min
+        x[1] = info.max
+        fn = (lambda x: x.amax(-1) * 1) if reduce == "amax" else (lambda x: x.amin(-1) * 1)
+        compiled = eqfuse.compile(fn, (x,))
+        assert compiled.fallbacks == [] and compiled.kernels, compiled.explain()
+        assert torch.equal(compiled(x), fn(x))

@@ -838,7 +838,7 @@ class KernelWriter:
         if env.guard is not None:  # reads the row whole wherever it is used (a guard masks others' reads)
             return self.emit(node, row)
         op = node.attrs[0]
-        neutral = literal(ops.REDUCE[op][1], node.dtype)
+        neutral = literal(ops.reduce_identity(op, node.dtype), node.dtype)
         fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
         acc_dt = compute_dtype(node.dtype)
         cm = self.mask(frozenset("c"))

@@ -171,7 +171,7 @@ def _chunk_reduce(red: PNode, outer: tuple, rows: int, chunks: int, length: int,
     cols = x.shape[-1]
     op = red.attrs[0]
     if chunks * length > cols:
-        pad = PNode("const", (ops.REDUCE[op][1],), (), outer + (chunks * length - cols,), x.dtype)
+        pad = PNode("const", (ops.reduce_identity(op, x.dtype),), (), outer + (chunks * length - cols,), x.dtype)
         x = PNode("cat", (len(outer),), (x, pad), outer + (chunks * length,), x.dtype)
     grouped = PNode("reshape", (), (x,), (rows, chunks, length), x.dtype)
     chunked = PNode("permute", ((1, 0, 2),), (grouped,), (chunks, rows, length), x.dtype)

@@ -107,6 +107,7 @@ class Translator:
         self.fallbacks: list[Fallback] = []
         self.roots: list[str] = []
         self.inputs: list = []
+        self.input_storages: dict = {}  # input buffer name -> its storage in the trace (for aliasing)
         self._ivecs: dict[tuple, Any] = {}
 
     def ivec(self, values):
@@ -189,6 +190,7 @@ class Translator:
             return
         dt = self._dtype(v)
         self.inputs.append((name, tuple(v.shape), dt))
+        self.input_storages[name] = _storage(v)
         self.env[node] = BufferView(name, tuple(v.shape), tuple(v.stride()), 0, dt, foldable=True)
 
     def _dtype(self, v) -> str:
@@ -295,6 +297,14 @@ class Translator:
         self.fallbacks.append(Fallback(node.name, target, args, kwargs, reason, names, multi, info))
         self.env[node] = entries if multi else entries[0]
 
+    def _copied_input(self, entry, node) -> bool:
+        """Whether output ``node``, read from input buffer ``entry.buf``, is in eager a
+        tensor of its own rather than a view of that input."""
+        if not isinstance(node, torch.fx.Node) or entry.buf not in self.input_storages:
+            return False
+        mine, theirs = _storage(_meta(node)), self.input_storages[entry.buf]
+        return mine is not None and theirs is not None and mine != theirs
+
     def _outputs(self, node):
         outs = []
         aliases = _aliased_outputs(node.args[0], self.env)
@@ -302,6 +312,13 @@ class Translator:
             e = self.env[a] if isinstance(a, torch.fx.Node) else a
             if i in aliases:
                 outs.append(("alias", *aliases[i]))
+            elif isinstance(e, BufferView) and self._copied_input(e, a):
+                # eager returns a tensor of its own (clone, contiguous, a *_copy op): so must we,
+                # or a write to the result would change the input
+                name = f"out_{i}"
+                self.egraph.let(name, self.value(e))
+                self.roots.append(name)
+                outs.append(("value", name, e.shape, e.dtype, tuple(_meta(a).stride())))
             elif isinstance(e, BufferView):
                 outs.append(("buffer", BufRef(e.buf, e.shape, e.strides, e.offset)))
             elif isinstance(e, Computed):
@@ -319,6 +336,15 @@ class Translator:
 
 
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _storage(meta):
+    """A key for the storage of a traced tensor (fake tensors of views share their base's), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    try:
+        return StorageWeakRef(meta.untyped_storage())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
 
 
 def _aliased_outputs(outputs, env) -> dict:

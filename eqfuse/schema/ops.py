@@ -7,6 +7,7 @@ Triton templates take operand expressions already converted to the compute dtype
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,6 +96,18 @@ REDUCE: dict[str, tuple[Callable, float]] = {
     "max": (lambda x: x.amax(-1, keepdim=True), float("-inf")),
     "min": (lambda x: x.amin(-1, keepdim=True), float("inf")),
 }
+
+def reduce_identity(op: str, dtype: str):
+    """The value reduction ``op`` starts from in ``dtype``: -inf for a float max, the
+    smallest integer for an integer one (an int64 max over a row: multilabel_margin_loss)."""
+    identity = REDUCE[op][1]
+    if dtype == "bool":
+        return op == "min"
+    if dtype in DTYPES and not DTYPES[dtype].is_floating_point and math.isinf(identity):
+        info = torch.iinfo(DTYPES[dtype])
+        return info.min if identity < 0 else info.max
+    return identity
+
 
 # dtype names used in terms, and the torch / Triton types they stand for.
 DTYPES: dict[str, torch.dtype] = {
