@@ -274,6 +274,28 @@ def test_copy_into_a_slice_is_a_kernel():
     assert torch.equal(captured(ids, scale), shift_right(ids, scale))
 
 
+def test_a_literal_copied_into_a_tensor_is_a_constant_of_the_kernel():
+    """``out[..., 0] = 7`` under torch.compile copies a 0-dim tensor literal of the code
+    (on the CPU, whatever the device of ``out``: T5's start token): its value is folded
+    into the kernel, which then never reads a CPU tensor."""
+    from eqfuse.schema.plan import step_reads
+
+    def start_token(ids):
+        out = ids.new_zeros(ids.shape)
+        out[..., 1:] = ids[..., :-1]
+        out[..., 0] = 7
+        return out * 2
+
+    ids = torch.randint(-100, 50, (3, 9))
+    eqfuse.backend.history.clear()
+    compiled = torch.compile(start_token, backend="eqfuse", fullgraph=True)
+    assert torch.equal(compiled(ids), start_token(ids))
+    graph, = eqfuse.backend.history
+    scalars = {b.name for b in graph.plan.inputs if b.shape == ()}
+    assert scalars and graph.fallbacks == [], graph.explain()
+    assert not any(scalars & step_reads(k) for k in graph.plan.kernels), graph.explain()
+
+
 def test_slice_scatter_of_inputs_reads_them_in_place():
     """Unmodified input parts are strided loads of the input: one kernel, exact values."""
     base, src = torch.randn(4, 10), torch.randn(4, 3)

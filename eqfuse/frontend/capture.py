@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..errors import CaptureError
 
@@ -195,6 +196,9 @@ class CapturedGraph:
     num_user_inputs: int
     constants: list[torch.Tensor] = field(default_factory=list)
     fn: Callable | None = None  # the user's function, the reference for validation
+    # placeholder name -> value, for the constants that are 0-dim tensor literals of the
+    # code (``_tensor_constant``: ``x[..., 0] = 7`` traced by dynamo), which never change
+    literals: dict = field(default_factory=dict)
 
     def reference_outputs(self, user_inputs) -> list:
         """The flat outputs of the original function (before decomposition), run with its
@@ -291,7 +295,7 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
         quiet.setLevel(level)
 
     # Tensor constants (module parameters, tensors closed over) become extra inputs.
-    constants = []
+    constants, literals = [], {}
     graph = gm.graph
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"]
     for node in list(graph.nodes):
@@ -303,6 +307,9 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
             with graph.inserting_after(anchor):
                 ph = graph.placeholder(f"const_{len(constants)}")
             ph.meta["val"] = _fake_like(node, value)
+            if str(node.target).startswith("_tensor_constant") and value.dim() == 0:
+                with unset_fake_temporarily():  # a backend may capture under dynamo's fake mode
+                    literals[ph.name] = value.item()
             node.replace_all_uses_with(ph)
             graph.erase_node(node)
             last_placeholder.append(ph)
@@ -311,7 +318,7 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
     del module_params
     return CapturedGraph(gm=gm, example_tensors=list(example_inputs) + constants,
                          out_spec=out_spec_box[-1], num_user_inputs=len(example_inputs),
-                         constants=constants, fn=fn)
+                         constants=constants, fn=fn, literals=literals)
 
 
 def _fake_like(node, value: torch.Tensor):

@@ -108,6 +108,7 @@ class Translator:
         self.roots: list[str] = []
         self.inputs: list = []
         self.input_storages: dict = {}  # input buffer name -> its storage in the trace (for aliasing)
+        self.literals: dict = {}  # input buffer name -> value, for 0-dim literals (CapturedGraph.literals)
         self._ivecs: dict[tuple, Any] = {}
 
     def ivec(self, values):
@@ -191,6 +192,8 @@ class Translator:
         dt = self._dtype(v)
         self.inputs.append((name, tuple(v.shape), dt))
         self.input_storages[name] = _storage(v)
+        if node.name in getattr(self.cap, "literals", {}):
+            self.literals[name] = self.cap.literals[node.name]
         self.env[node] = BufferView(name, tuple(v.shape), tuple(v.stride()), 0, dt, foldable=True)
 
     def _dtype(self, v) -> str:
@@ -679,6 +682,8 @@ def _copy_into(tr, node, dst, src, non_blocking=False):
     """``aten.copy(dst, src)``, a functionalised ``dst.copy_(src)`` (T5 shifting its labels
     right): ``src``'s values broadcast to ``dst``'s shape, in ``dst``'s dtype."""
     shape, dt = _out(node)
+    if isinstance(src, BufferView) and not src.shape and src.buf in tr.literals:
+        src = tr.literals[src.buf]  # a literal of the code, on the CPU: its value (T5's start token)
     if isinstance(src, (BufferView, Computed)) and str(_meta(node.args[1]).device) != str(_meta(node).device):
         raise Unsupported("a copy between devices")
     v = tr.operand(src, shape, dt)
