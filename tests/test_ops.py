@@ -544,3 +544,20 @@ def test_integer_max_and_min_start_from_the_dtypes_extremes(dtype, reduce):
         compiled = eqfuse.compile(fn, (x,))
         assert compiled.fallbacks == [] and compiled.kernels, compiled.explain()
         assert torch.equal(compiled(x), fn(x))
+
+
+STRIDED_OUTPUTS = {
+    "baddbmm_transposed_bias": (lambda b, x, y: torch.baddbmm(b.transpose(1, 2), x, y),
+                                lambda: (torch.randn(2, 5, 3), torch.randn(2, 3, 4), torch.randn(2, 4, 5))),
+    "permuted_sum": (lambda x: (x.permute(2, 0, 1) * 2).contiguous() + 1, lambda: (torch.randn(3, 4, 5),)),
+    "transposed_result": (lambda x: (x * 2).t(), lambda: (torch.randn(6, 7),)),
+}
+
+
+@pytest.mark.parametrize("name", list(STRIDED_OUTPUTS))
+def test_outputs_keep_eagers_strides(name):
+    """An output laid out as eager lays it out, not as the traced decomposition did."""
+    fn, make = STRIDED_OUTPUTS[name]
+    args = make()
+    got, want = eqfuse.compile(fn, args)(*args), fn(*args)
+    assert torch.allclose(got, want, atol=1e-5) and got.stride() == want.stride()

@@ -199,6 +199,9 @@ class CapturedGraph:
     # placeholder name -> value, for the constants that are 0-dim tensor literals of the
     # code (``_tensor_constant``: ``x[..., 0] = 7`` traced by dynamo), which never change
     literals: dict = field(default_factory=dict)
+    # per flat output, its strides as eager lays it out (its ops undecomposed), or None
+    # where unknown: the decomposed trace may lay an output out otherwise
+    output_strides: list | None = None
 
     def reference_outputs(self, user_inputs) -> list:
         """The flat outputs of the original function (before decomposition), run with its
@@ -318,7 +321,25 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
     del module_params
     return CapturedGraph(gm=gm, example_tensors=list(example_inputs) + constants,
                          out_spec=out_spec_box[-1], num_user_inputs=len(example_inputs),
-                         constants=constants, fn=fn, literals=literals)
+                         constants=constants, fn=fn, literals=literals,
+                         output_strides=_eager_strides(fn, example_inputs))
+
+
+def _eager_strides(fn, example_inputs) -> list | None:
+    """The strides of ``fn``'s flat outputs as eager lays them out, from a run on fake
+    tensors with its ops undecomposed (``baddbmm`` with a transposed bias: contiguous in
+    eager, transposed in its decomposition); None for a graph of the backend (its nodes
+    are eager's ops already) or where the run fails (an output sized by values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if isinstance(fn, torch.fx.GraphModule):
+        return None
+    try:
+        with unset_fake_temporarily(), buffers_kept(fn), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            out = fn(*[mode.from_tensor(x) for x in example_inputs])
+        return [tuple(t.stride()) if isinstance(t, torch.Tensor) else None for t in pytree.tree_flatten(out)[0]]
+    except Exception:  # noqa: BLE001 - the decomposed trace's strides stand then
+        return None
 
 
 def _fake_like(node, value: torch.Tensor):

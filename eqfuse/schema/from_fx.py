@@ -308,6 +308,16 @@ class Translator:
         mine, theirs = _storage(_meta(node)), self.input_storages[entry.buf]
         return mine is not None and theirs is not None and mine != theirs
 
+    def _output_strides(self, i: int, node) -> tuple:
+        """Output ``i``'s strides: eager's where capture knows them, else the trace's."""
+        meta = _meta(node)
+        eager = (getattr(self.cap, "output_strides", None) or [])[i:i + 1]
+        shape = tuple(meta.shape)
+        if eager and eager[0] is not None and len(eager[0]) == len(shape) \
+                and tuple(eager[0]) == dense_strides(shape, eager[0]):  # dense: no overlap, no gap
+            return tuple(eager[0])
+        return tuple(meta.stride())
+
     def _outputs(self, node):
         outs = []
         aliases = _aliased_outputs(node.args[0], self.env)
@@ -321,7 +331,7 @@ class Translator:
                 name = f"out_{i}"
                 self.egraph.let(name, self.value(e))
                 self.roots.append(name)
-                outs.append(("value", name, e.shape, e.dtype, tuple(_meta(a).stride())))
+                outs.append(("value", name, e.shape, e.dtype, self._output_strides(i, a)))
             elif isinstance(e, BufferView):
                 outs.append(("buffer", BufRef(e.buf, e.shape, e.strides, e.offset)))
             elif isinstance(e, Computed):
@@ -329,7 +339,7 @@ class Translator:
                 self.egraph.let(name, e.term)
                 self.roots.append(name)
                 # Eager's strides: AOTAutograd rebuilds aliased outputs with them.
-                strides = tuple(_meta(a).stride()) if isinstance(a, torch.fx.Node) else None
+                strides = self._output_strides(i, a) if isinstance(a, torch.fx.Node) else None
                 outs.append(("value", name, e.shape, e.dtype, strides))
             elif isinstance(e, _Opaque):
                 outs.append(("opaque", e.name))
