@@ -192,3 +192,22 @@ def test_every_switch_reads_its_variable_alike(monkeypatch, value, on):
     for env, enabled in switches.items():
         monkeypatch.setenv(env, value)
         assert enabled() is on, env
+
+
+def test_an_unusable_cache_directory_compiles_uncached(tmp_path, monkeypatch, caplog):
+    """A cache path that cannot be made (a file where a directory should be): a temporary
+    directory stands in, with a warning, and the graph compiles to kernels."""
+    import logging
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(cache, "_STAND_INS", {})
+    x = torch.randn(8, 16)
+    fn = lambda x: torch.relu(x) * 2  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="eqfuse"):
+        compiled = eqfuse.compile(fn, (x,))
+    assert compiled.kernels and not compiled.fallbacks, compiled.explain()
+    assert_matches(compiled(x), fn(x))
+    assert "cache directory" in caplog.text and "uncached across runs" in caplog.text
+    assert cache.cache_dir() == cache._STAND_INS[str(blocker / "cache")] != blocker / "cache"

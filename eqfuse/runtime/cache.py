@@ -7,9 +7,12 @@ import is rebuilt, never trusted.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
+import logging
 import os
+import shutil
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -22,14 +25,32 @@ def switched_on(env: str, option: bool = True) -> bool:
     return option and os.environ.get(env, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+_STAND_INS: dict[str, Path] = {}  # a cache directory that cannot be written -> this process's temp one
+
+
 def cache_dir() -> Path:
+    """``EQFUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/eqfuse`` or ``~/.cache/eqfuse``. Where
+    it cannot be made or written, a temporary directory of this process stands in (removed
+    at exit), with a warning: the compile runs uncached rather than in eager."""
     root = os.environ.get("EQFUSE_CACHE_DIR")
     if not root:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(base, "eqfuse")
+    if root in _STAND_INS:
+        return _STAND_INS[root]
     path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+        problem = "not writable"
+    except OSError as e:
+        problem = f"{type(e).__name__}: {e.strerror or e}"
+    stand_in = _STAND_INS[root] = Path(tempfile.mkdtemp(prefix="eqfuse-"))
+    atexit.register(shutil.rmtree, stand_in, True)
+    logging.getLogger("eqfuse").warning("eqfuse: cache directory %s: %s; compiling into %s, uncached across runs",
+                                        root, problem, stand_in)
+    return stand_in
 
 
 def cache_key(*parts) -> str:
