@@ -401,8 +401,11 @@ def dense_strides(shape, strides) -> tuple:
 
 def _layout(meta) -> tuple | None:
     """(eager's strides, the dense strides in their order) of eager's value ``meta``;
-    None where that order is the contiguous one (or ``meta`` is not a tensor)."""
+    None where that order is the contiguous one, or ``meta`` is not a tensor kernels read
+    (a complex one stays as eager made it, from eager step to eager step)."""
     if not isinstance(meta, torch.Tensor) or meta.dim() == 0 or not _kernel_readable(meta):
+        return None
+    if meta.dtype not in ops.DTYPES.values():
         return None
     strides = dense_strides(tuple(meta.shape), tuple(meta.stride()))
     return None if strides == contiguous_strides(tuple(meta.shape)) else (tuple(meta.stride()), strides)
