@@ -312,3 +312,18 @@ def test_an_odd_k_along_a_unit_stride_is_not_cublas():
     assert not odd_contiguous_k((1, 50304), (768, 1), 4096, 2)  # M odd along A's unit stride
     assert not odd_contiguous_k((1, 100), (8, 1), 1, 4)  # an outer product
     assert not odd_contiguous_k((1032, 1), (768, 1), 1032, 2)
+
+
+def test_an_operand_sliced_from_longer_rows_is_copied_contiguous(cublas, monkeypatch):
+    """Rows of 1024 floats (a whole number of 16 bytes) read 1030 apart, a slice of a wider
+    input: the copy needs no padding, only its own contiguous rows."""
+    from eqfuse.codegen import padding
+    monkeypatch.setattr(padding, "MIN_COPIED", 1)
+    wide, w = torch.randn(24, 1030), torch.randn(1024, 40)
+    g = wide[:, :1024]
+    compiled = eqfuse.compile(lambda g, w: g @ w, [g, w])
+    assert_matches(compiled(g, w), g @ w, contraction=True)
+    copy, = [k for k in compiled.plan.kernels if padding.COPY_SUFFIX in k.name]
+    (_, buf), = copy.roots
+    assert compiled.plan.buffers[buf].layout == (1024, 1)
+    assert [c.operands[0].buf for c in compiled.library_calls] == [buf]

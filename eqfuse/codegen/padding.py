@@ -37,8 +37,8 @@ from ..schema.plan import (
 )
 from .kernel import base_read
 from .kmajor import fresh_buffer_name
+from .library import ALIGNMENT  # bytes: what cuBLAS's vectorised kernels and TMA need of a stride
 
-ALIGNMENT = 16  # bytes: what cuBLAS's vectorised kernels and TMA need of a row stride
 ROW_ALIGNMENT = 128  # bytes: a row starting a cache line, as Inductor pads
 MIN_ROW = 1024  # elements: shorter rows keep their width (padding would cost more than it gives)
 MIN_COPIED = 1 << 20  # elements: a product's unaligned operand smaller than this is read as it is
@@ -104,7 +104,7 @@ def aligned_operands(plan: Plan) -> None:
     too) is copied into a padded buffer by a kernel of its own, before the first kernel
     reading it, and the products read the copy. Running it again changes nothing (the
     copies' rows are aligned)."""
-    wanted: dict[tuple, list] = {}  # the stored read (buffer, shape, strides, offset) -> [(kernel, load)]
+    wanted: dict[tuple, list] = {}  # the stored read (buffer, shape, strides, offset) -> [(kernel, load, order)]
     for spec in plan.kernels:
         for dot in (n for n in spec.walk() if n.op == "dot"):
             for operand in dot.args:
@@ -115,22 +115,22 @@ def aligned_operands(plan: Plan) -> None:
                 buf, strides, offset = load.attrs
                 shape, strides = tuple(load.shape[d] for d in order), tuple(strides[d] for d in order)
                 if unaligned(shape, strides, offset, load.dtype):
-                    wanted.setdefault((buf, shape, strides, offset), []).append((spec, load))
+                    wanted.setdefault((buf, shape, strides, offset), []).append((spec, load, order))
     if not wanted:
         return
     copies: dict[int, list] = {}  # the first kernel reading an operand -> the copies placed before it
     reads: dict[int, dict] = {}  # kernel id -> {id(load): the load of the copy}
     for n, ((buf, shape, strides, offset), users) in enumerate(wanted.items()):
-        first, _ = users[0]
-        dtype = users[0][1].dtype
+        first, load, _ = users[0]
+        dtype = load.dtype
         name = fresh_buffer_name(f"buf_{buf}{COPY_SUFFIX}", plan.buffers)
-        padded = padded_strides(shape, ops.itemsize(dtype))
+        # rows of a whole number of 16 bytes read at unaligned strides (a slice): the copy is contiguous
+        padded = padded_strides(shape, ops.itemsize(dtype)) or contiguous_strides(shape)
         plan.buffers[name] = Buffer(name, shape, dtype, "temp", padded)
         stored = PNode("load", (buf, strides, offset), (), shape, dtype)
         copies.setdefault(id(first), []).append(
             KernelSpec(f"{first.name}{COPY_SUFFIX}{n or ''}", [(stored, name)], list(first.fx_nodes)))
-        for spec, load in users:
-            order = stored_order(load)
+        for spec, load, order in users:
             view = [0] * len(order)
             for i, d in enumerate(order):
                 view[d] = padded[i]
