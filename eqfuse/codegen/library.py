@@ -63,8 +63,8 @@ def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
     if len(spec.roots) != 1:
         return None
     root, out = spec.roots[0]
-    root, added = _sum_of_product(root)
-    product, out_view, added_view = _product_output(root, buffers[out], added)
+    root, added, added_read = _sum_of_product(root)
+    product, out_view, added_view = _product_output(root, buffers[out], added_read)
     if product is None or product.op != "dot" or 0 in product.shape or product.args[0].shape[-1] == 0:
         return None
     a, b = product.args
@@ -108,16 +108,17 @@ def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
 
 def _sum_of_product(root: PNode) -> tuple:
     """(the side of ``root`` that is a product under index maps, the plain read added to
-    it) where ``root`` is such a sum; else (``root``, None)."""
+    it, that read's ``strided_view``) where ``root`` is such a sum; else (``root``, None, None)."""
     if root.op != "binary" or root.attrs[0] != "add":
-        return root, None
+        return root, None, None
     for mine, other in ((0, 1), (1, 0)):
         node = root.args[mine]
         while node.op in ("reshape", "permute"):
             node = node.args[0]
-        if node.op == "dot" and strided_view(root.args[other]) is not None:
-            return root.args[mine], root.args[other]
-    return root, None
+        read = strided_view(root.args[other]) if node.op == "dot" else None
+        if read is not None:
+            return root.args[mine], root.args[other], read
+    return root, None, None
 
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -152,12 +153,11 @@ def blas_layout(shape, strides) -> bool:
     return (s_cols == 1 and s_rows >= max(1, cols)) or (s_rows == 1 and s_cols >= max(1, rows))
 
 
-def _product_output(root: PNode, buffer, added: PNode | None = None) -> tuple:
+def _product_output(root: PNode, buffer, read: tuple | None = None) -> tuple:
     """(the product under ``root``'s reshapes and permutes, the meta view of ``buffer``
-    it would be written through, the view of ``added`` read alike, or None), or (None,
-    None, None) where ``root`` is something else."""
+    it would be written through, ``read`` (a matrix added: its ``strided_view``) viewed
+    alike, or None), or (None, None, None) where ``root`` is something else."""
     views = [meta_view(buffer.shape, buffer.layout)]
-    read = strided_view(added) if added is not None else None
     if read is not None:
         views.append(read[1])
     node = root

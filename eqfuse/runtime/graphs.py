@@ -122,8 +122,10 @@ def unrecordable(steps, dtypes: dict | None = None) -> str | None:
 
 def _integer(ref, dtypes: dict) -> bool:
     """Whether the buffer an eager step reads (from_fx.BufRef / plan.BufArg) holds integers."""
-    dtype = dtypes.get(getattr(ref, "buf", None) or getattr(ref, "name", None)) or "bool"
-    return dtype.startswith(("int", "uint")) and dtype != "uint8"
+    from ..schema import ops
+
+    dtype = dtypes.get(getattr(ref, "buf", None) or getattr(ref, "name", None))
+    return dtype in ops.DTYPES and not ops.is_float(dtype) and dtype not in ("bool", "uint8")  # uint8: a mask
 
 
 class GraphReplayer:

@@ -192,7 +192,7 @@ class Translator:
         dt = self._dtype(v)
         self.inputs.append((name, tuple(v.shape), dt))
         self.input_storages[name] = _storage(v)
-        if node.name in getattr(self.cap, "literals", {}):
+        if node.name in self.cap.literals:
             self.literals[name] = self.cap.literals[node.name]
         self.env[node] = BufferView(name, tuple(v.shape), tuple(v.stride()), 0, dt, foldable=True)
 
@@ -310,12 +310,11 @@ class Translator:
 
     def _output_strides(self, i: int, node) -> tuple:
         """Output ``i``'s strides: eager's where capture knows them, else the trace's."""
-        meta = _meta(node)
-        eager = (getattr(self.cap, "output_strides", None) or [])[i:i + 1]
+        meta, known = _meta(node), self.cap.output_strides
+        eager = known[i] if known is not None and i < len(known) else None
         shape = tuple(meta.shape)
-        if eager and eager[0] is not None and len(eager[0]) == len(shape) \
-                and tuple(eager[0]) == dense_strides(shape, eager[0]):  # dense: no overlap, no gap
-            return tuple(eager[0])
+        if eager is not None and len(eager) == len(shape) and eager == dense_strides(shape, eager):
+            return eager  # dense: no overlap, no gap
         return tuple(meta.stride())
 
     def _outputs(self, node):
@@ -405,7 +404,7 @@ def _layout(meta) -> tuple | None:
     (a complex one stays as eager made it, from eager step to eager step)."""
     if not isinstance(meta, torch.Tensor) or meta.dim() == 0 or not _kernel_readable(meta):
         return None
-    if meta.dtype not in ops.DTYPES.values():
+    if meta.dtype not in ops.DTYPE_NAMES:
         return None
     strides = dense_strides(tuple(meta.shape), tuple(meta.stride()))
     return None if strides == contiguous_strides(tuple(meta.shape)) else (tuple(meta.stride()), strides)

@@ -97,18 +97,6 @@ REDUCE: dict[str, tuple[Callable, float]] = {
     "min": (lambda x: x.amin(-1, keepdim=True), float("inf")),
 }
 
-def reduce_identity(op: str, dtype: str):
-    """The value reduction ``op`` starts from in ``dtype``: -inf for a float max, the
-    smallest integer for an integer one (an int64 max over a row: multilabel_margin_loss)."""
-    identity = REDUCE[op][1]
-    if dtype == "bool":
-        return op == "min"
-    if dtype in DTYPES and not DTYPES[dtype].is_floating_point and math.isinf(identity):
-        info = torch.iinfo(DTYPES[dtype])
-        return info.min if identity < 0 else info.max
-    return identity
-
-
 # dtype names used in terms, and the torch / Triton types they stand for.
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -146,3 +134,15 @@ def itemsize(dtype: str) -> int:
 
 def is_float(dtype: str) -> bool:
     return DTYPES[dtype].is_floating_point
+
+
+def reduce_identity(op: str, dtype: str):
+    """The value reduction ``op`` starts from in ``dtype``: -inf for a float max, the
+    smallest integer for an integer one (an int64 max over a row: multilabel_margin_loss)."""
+    identity = REDUCE[op][1]
+    if dtype == "bool":
+        return op == "min"
+    if not is_float(dtype) and math.isinf(identity):
+        info = torch.iinfo(DTYPES[dtype])
+        return info.min if identity < 0 else info.max
+    return identity
