@@ -246,12 +246,13 @@ def test_long_odd_rows_are_padded_for_the_products(cublas, dtype):
     padded = {b.name: b.strides for b in compiled.plan.buffers.values() if b.strides is not None}
     row = 1056 if dtype == torch.float32 else 1088
     assert list(padded.values()) == [(row, 1)], compiled.explain()
-    # g @ w runs along g's rows (K = 1030, unit stride): a generated kernel, reading the
-    # padded rows too (odd_contiguous_k); g^T @ h runs along g's columns: cuBLAS
-    call, = compiled.library_calls
-    assert call.description.startswith("[1030 x 24] @ [24 x 40]"), compiled.explain()
-    assert call.operands[0].buf in padded and row in call.operands[0].strides
-    assert any(k.name for k in compiled.plan.kernels if set(padded) & step_reads(k))
+    # g @ w runs along g's rows (K = 1030, unit stride), g^T @ h along its columns (M = 1030):
+    # both cuBLAS on the padded rows, each with its odd dim split off
+    main = 1028 if dtype == torch.float32 else 1024
+    assert [c.description for c in compiled.library_calls] == [
+        f"[24 x 1030] @ [1030 x 40] {str(dtype)[6:]}, K split {main} + {1030 - main}",
+        f"[1030 x 24] @ [24 x 40] {str(dtype)[6:]}, M split {main} + {1030 - main}"], compiled.explain()
+    assert all(c.operands[0].buf in padded and row in c.operands[0].strides for c in compiled.library_calls)
 
 
 def test_padding_leaves_short_aligned_and_shared_rows():
@@ -287,8 +288,10 @@ def test_an_input_with_long_odd_rows_is_copied_once_for_its_products(cublas, mon
     readers = [s for s in products if copy in step_reads(s)]
     assert len(readers) == 2, compiled.explain()
     calls = [c.description for c in compiled.library_calls]
-    # with epilogues: g @ w + h runs along g's rows (odd K), g^T @ h * 2 is no plain product
-    assert calls == ([] if epilogue else ["[1030 x 24] @ [24 x 40] float32"]), compiled.explain()
+    # g @ w (+ h) runs along g's rows (K = 1030, split); g^T @ h * 2 is no plain product
+    assert calls == (["[24 x 1030] @ [1030 x 40] + a matrix float32, K split 1028 + 2"] if epilogue else
+                     ["[24 x 1030] @ [1030 x 40] float32, K split 1028 + 2",
+                      "[1030 x 24] @ [24 x 40] float32, M split 1028 + 2"]), compiled.explain()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -305,13 +308,54 @@ def test_a_matrix_added_to_a_product_is_cublas_epilogue(cublas, dtype):
     _check(lambda a, b, c: torch.bmm(a, b) + c, [a, b, c], kernels=0, calls=["baddbmm"])
 
 
-def test_an_odd_k_along_a_unit_stride_is_not_cublas():
-    from eqfuse.codegen.library import odd_contiguous_k
-    assert odd_contiguous_k((50304, 1), (768, 1), 50257, 2)  # A along K
-    assert odd_contiguous_k((1, 24), (1, 50257), 50257, 2)  # B along K
-    assert not odd_contiguous_k((1, 50304), (768, 1), 4096, 2)  # M odd along A's unit stride
-    assert not odd_contiguous_k((1, 100), (8, 1), 1, 4)  # an outer product
-    assert not odd_contiguous_k((1032, 1), (768, 1), 1032, 2)
+def test_odd_dims_are_those_run_along_with_unit_stride():
+    from eqfuse.codegen.library import odd_dims
+    from eqfuse.schema.from_fx import BufRef
+
+    def refs(*layouts):
+        return [BufRef("x", shape, strides, 0) for shape, strides in layouts]
+    a, b, out = ((4096, 50257), (50304, 1)), ((50257, 768), (768, 1)), ((4096, 768), (768, 1))
+    assert odd_dims(refs(a, b, out), 2) == {"k": 50257}  # A along K
+    at = ((50257, 4096), (1, 50304))
+    assert odd_dims(refs(at, ((4096, 768), (768, 1)), ((50257, 768), (768, 1))), 2) == {"m": 50257}
+    assert odd_dims(refs(((8, 768), (768, 1)), ((768, 50257), (1, 768)), ((8, 50257), (50264, 1))), 2) == {"n": 50257}
+    added_column_major = ((4096, 768), (1, 4096))
+    assert odd_dims(refs(a, b, added_column_major, out), 2) == {"k": 50257}
+    assert odd_dims(refs(((100, 1), (1, 1)), ((1, 8), (8, 1)), ((100, 8), (8, 1))), 4) == {}  # an outer product
+    assert odd_dims(refs(((8, 1032), (1032, 1)), ((1032, 768), (768, 1)), out), 2) == {}
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_odd_dims_split_keep_values_and_special_values(cublas, monkeypatch, batched):
+    """Products whose odd K, M or N runs along a unit stride are split into an aligned part
+    and a tail (K: the tail's product first, the main one added onto it): every element
+    as one product gives it, NaN, infinities and signed zeros where they fall in the main
+    part or the tail."""
+    from eqfuse.codegen import padding
+    monkeypatch.setattr(library, "MIN_SPLIT", 8)
+    monkeypatch.setattr(padding, "MIN_ROW", 8)  # the product's output [13 x 13] gets padded rows
+    lead = (2,) if batched else ()
+
+    def odd(rows, cols):  # a matrix of odd width, its rows 16 floats apart
+        x = torch.randn(*lead, rows, 16)[..., :cols]
+        x[..., 0, cols - 1], x[..., 1, 3], x[..., 2, cols - 1], x[..., 3, 0] = (float("nan"), float("inf"),
+                                                                              float("-inf"), -0.0)
+        return x
+    g, w = odd(13, 13), torch.randn(*lead, 13, 8)
+    w[..., 12, 4] = float("inf")
+    cases = {"k": (lambda g, w: g @ w, [g, w]),  # A along K
+             "m": (lambda g, w: g.transpose(-1, -2) @ w, [g, w]),  # A along M
+             "n": (lambda w, g: (w.transpose(-1, -2) @ g).softmax(-1), [w, g])}  # B and the output along N
+    for dim, (fn, inputs) in cases.items():
+        compiled = eqfuse.compile(fn, inputs)
+        assert_matches(compiled(*inputs), fn(*inputs), contraction=True)
+        call, = compiled.library_calls
+        assert f"{dim.upper()} split 12 + 1" in call.description, compiled.explain()
+    h = torch.randn(*lead, 13, 8)
+    compiled = eqfuse.compile(lambda g, w, h: g @ w + h, [g, w, h])
+    assert_matches(compiled(g, w, h), g @ w + h, contraction=True)
+    assert [c.op for c in compiled.library_calls] == ["baddbmm" if batched else "addmm"], compiled.explain()
+    assert f"{'baddbmm' if batched else 'addmm'}_(" in compiled.source
 
 
 def test_an_operand_sliced_from_longer_rows_is_copied_contiguous(cublas, monkeypatch):

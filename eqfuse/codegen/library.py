@@ -15,6 +15,16 @@ batch) on strided views of the buffers, writing into the planned output buffer (
 so that the steps around it read it as planned. Torch's own settings apply as in eager
 (``allow_tf32``, fp16 reduced-precision reduction).
 
+A long dim that a matrix runs along with unit stride and that is not a whole number of 16
+bytes sends cuBLAS to kernels that load one element at a time, whatever the other strides
+(GPT-2's vocabulary of 50257 in its training step, H200: the input's gradient, K = 50257,
+2553 us against 439 at K = 50256; the weight's, M = 50257, 769 against 528;
+benchmarks/results/odd-dims_*.json). Such a dim is split (``split``): its first part a
+whole number of 16 bytes, one call, its tail of a few elements another, M and N into
+blocks of the output, K into a tail product written first and the main one added onto it
+(``addmm_``: the sum rounded once more only at the tail's share). The split GPT-2 products
+took 457 and 497 us, as Inductor's zero-padded copies (``pad_mm``) do without the copies.
+
 Only layouts cuBLAS takes as they are, at full speed: each matrix with a unit stride
 along one of its two dims and the other at least that dim's length and a multiple of 16
 bytes (torch would copy any other operand first, and compute any other output apart
@@ -50,16 +60,22 @@ def wanted(device_type: str, option: bool = True) -> bool:
     return (device_type == "cuda" or FORCE) and enabled(option)
 
 
-def library_products(plan: Plan) -> None:
+def library_products(plan: Plan, split: bool = True) -> None:
     """Rewrite ``plan`` in place: each kernel that is a plain product cuBLAS takes as laid
-    out becomes a LibraryCall. Running it again changes nothing."""
-    plan.steps[:] = [(library_call(s, plan.buffers) or s) if isinstance(s, KernelSpec) else s for s in plan.steps]
+    out becomes a LibraryCall (``split``: with its long odd dims split off; a sized module's
+    sizes follow the dynamic one, so it keeps such a product generated). Running it again
+    changes nothing."""
+    plan.steps[:] = [(library_call(s, plan.buffers, split) or s) if isinstance(s, KernelSpec) else s
+                     for s in plan.steps]
 
 
-def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
+def library_call(spec: KernelSpec, buffers: dict, split: bool = True) -> LibraryCall | None:
     """The LibraryCall computing ``spec``, or None where it is not one plain product of
     layouts cuBLAS takes, or one plus a matrix read as stored (``torch.addmm``: cuBLAS adds
-    it as the product's epilogue, a residual or a tied weight's other gradient)."""
+    it as the product's epilogue, a residual or a tied weight's other gradient). A K that
+    an operand runs along with unit stride and that is not a whole number of 16 bytes is
+    split off where ``split`` and long enough (``odd_dims``), else the kernel stays
+    generated; such an M or N is split off likewise, else left to cuBLAS as it is."""
     if len(spec.roots) != 1:
         return None
     root, out = spec.roots[0]
@@ -83,8 +99,6 @@ def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
         if not blas_layout(t.shape[-2:], t.stride()[-2:]) or not aligned(t, ITEMSIZE[product.dtype]):
             return None
         matrices.append(BufRef(buf, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
-    if odd_contiguous_k(matrices[0].strides, matrices[1].strides, a.shape[-1], ITEMSIZE[product.dtype]):
-        return None
     op = "bmm" if batched else "mm"
     if added is not None:
         if added.dtype != product.dtype or added_view is None:
@@ -100,10 +114,51 @@ def library_call(spec: KernelSpec, buffers: dict) -> LibraryCall | None:
         op = "baddbmm" if batched else "addmm"
     *_, m, n = product.shape
     k = a.shape[-1]
+    odd = odd_dims(matrices, ITEMSIZE[product.dtype])
+    tail_at = {dim: size - size % (ALIGNMENT // ITEMSIZE[product.dtype]) for dim, size in odd.items()
+               if split and size >= MIN_SPLIT}
+    if "k" in odd and "k" not in tail_at:
+        return None
     batch = f"{matrices[-1].shape[0]} x " if batched else ""
     plus = " + a matrix" if added is not None else ""
+    splits = "".join(f", {dim.upper()} split {at} + {odd[dim] - at}" for dim, at in tail_at.items())
     return LibraryCall(spec.name, op, matrices[:-1], matrices[-1],
-                       f"{batch}[{m} x {k}] @ [{k} x {n}]{plus} {product.dtype}", list(spec.fx_nodes))
+                       f"{batch}[{m} x {k}] @ [{k} x {n}]{plus} {product.dtype}{splits}",
+                       list(spec.fx_nodes), tuple(tail_at.items()))
+
+
+def torch_calls(call: LibraryCall) -> list[tuple]:
+    """(op, operands, out, accumulate) for each torch call that runs ``call``, in order:
+    ``torch.<op>(*operands, out=out)``, or with ``accumulate`` ``out.<op>_(*operands)``.
+    One, or with odd dims split: one per block of the output (M, N), each block two where
+    K is split, the tail's product first (the matrix added with it), then the main
+    product added onto it."""
+    a, b, *added = call.operands
+    split = dict(call.split)
+    (m, k), n = a.shape[-2:], b.shape[-1]
+
+    def parts(dim, size):
+        return [(0, size)] if dim not in split else [(0, split[dim]), (split[dim], size)]
+
+    calls = []
+    for rows in parts("m", m):
+        for cols in parts("n", n):
+            out, plus = _window(call.out, rows, cols), [_window(x, rows, cols) for x in added]
+            if "k" not in split:
+                calls.append((call.op, [_window(a, rows, (0, k)), _window(b, (0, k), cols), *plus], out, False))
+                continue
+            main, tail = (0, split["k"]), (split["k"], k)
+            calls.append((call.op, [_window(a, rows, tail), _window(b, tail, cols), *plus], out, False))
+            accumulate = "baddbmm" if call.op in ("bmm", "baddbmm") else "addmm"
+            calls.append((accumulate, [_window(a, rows, main), _window(b, main, cols)], out, True))
+    return calls
+
+
+def _window(ref: BufRef, rows: tuple, cols: tuple) -> BufRef:
+    """Rows ``rows`` and columns ``cols`` ([start, stop)) of the matrices ``ref`` views."""
+    s_rows, s_cols = ref.strides[-2:]
+    offset = ref.offset + rows[0] * s_rows + cols[0] * s_cols
+    return BufRef(ref.buf, (*ref.shape[:-2], rows[1] - rows[0], cols[1] - cols[0]), ref.strides, offset)
 
 
 def _sum_of_product(root: PNode) -> tuple:
@@ -135,15 +190,22 @@ def aligned(t, itemsize: int) -> bool:
     return all((s * itemsize) % ALIGNMENT == 0 for s in (*strides, t.storage_offset()))
 
 
-def odd_contiguous_k(a_strides, b_strides, k: int, itemsize: int) -> bool:
-    """Whether an operand runs along K with unit stride and K is not a whole number of 16
-    bytes: cuBLAS then takes kernels that load one element at a time, however the rows
-    are aligned (GPT-2's logits gradient times the embedding, K = 50257 with its rows
-    padded: ``cutlass_75_tensorop_bf16_s1688gemm_bf16_256x128_nn_align1`` in 2546 us on an
-    H200, where a Triton kernel took 1513). An operand with M or N odd along its unit
-    stride took an aligned kernel (the weight's gradient, M = 50257: 649 us)."""
-    along_k = a_strides[-1] == 1 or b_strides[-2] == 1
-    return k > 1 and along_k and (k * itemsize) % ALIGNMENT != 0
+MIN_SPLIT = 1024  # elements: a shorter odd dim is not split (a second call costs more than it gains)
+
+
+def odd_dims(matrices: list, itemsize: int) -> dict:
+    """dim ("m", "n", "k") -> its size, for the dims of the product of ``matrices`` ([a, b,
+    the matrix added if any, out] as BufRefs) that one of them runs along with unit stride and that are not
+    a whole number of 16 bytes long: cuBLAS then takes kernels that load one element at a
+    time, however the rows are aligned (GPT-2's logits gradient times the embedding, K =
+    50257 with its rows padded: ``cutlass_75_tensorop_bf16_s1688gemm_bf16_256x128_nn_align1``,
+    2546 us on an H200; a Triton kernel took 1513)."""
+    odd = {}
+    for ref, dims in zip(matrices, [("m", "k"), ("k", "n")] + [("m", "n")] * (len(matrices) - 2)):
+        for dim, size, stride in zip(dims, ref.shape[-2:], ref.strides[-2:]):
+            if stride == 1 and size > 1 and (size * itemsize) % ALIGNMENT:
+                odd[dim] = size
+    return odd
 
 
 def blas_layout(shape, strides) -> bool:

@@ -19,7 +19,7 @@ from ..schema.plan import (
 )
 from . import kernel as kgen
 from .kmajor import kmajor_operands
-from .library import library_products
+from .library import library_products, torch_calls
 from .padding import aligned_operands, pad_rows
 from .split import split_reductions
 from .splitk import split_matmuls
@@ -116,12 +116,12 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False) -> None:
     of all, with ``library`` (a plan run on a GPU), plain products become cuBLAS calls
     (codegen/library.py), which none of those passes touches; with ``padded``, before
     that, long rows of odd widths are padded, and products' operands read from such rows
-    read padded copies (codegen/padding.py)."""
+    read padded copies (codegen/padding.py), and the calls split long odd dims off."""
     if padded:
         pad_rows(plan)
         aligned_operands(plan)
     if library:
-        library_products(plan)
+        library_products(plan, split=padded)
     kmajor_operands(plan)
     split_matmuls(plan)
     split_reductions(plan)
@@ -186,8 +186,12 @@ def call_lines(plan: Plan, infos: list, size: str = "") -> tuple[list, list]:
                 continue
             body.append(f"{info.name}_launch({', '.join(([size] if size else []) + info.params)})")
         elif isinstance(step, LibraryCall):
-            a, b, *added = (strided(v) for v in step.operands)  # addmm: the matrix added first
-            body.append(f"torch.{step.op}({', '.join([*added, a, b])}, out={strided(step.out)})  # {step.name}")
+            for op, operands, out, accumulate in torch_calls(step):
+                a, b, *added = (strided(v) for v in operands)  # addmm: the matrix added first
+                if accumulate:
+                    body.append(f"{strided(out)}.{op}_({a}, {b})  # {step.name}")
+                else:
+                    body.append(f"torch.{op}({', '.join([*added, a, b])}, out={strided(out)})  # {step.name}")
         else:
             assert isinstance(step, FallbackStep)
             refs = sorted(step_reads(step))

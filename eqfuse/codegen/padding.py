@@ -16,10 +16,9 @@ A product's operand that the graph is handed with such rows is copied into a pad
 buffer first: in a training step the gradient of GPT-2's logits comes from the loss's
 graph, [4096 x 50257] bf16 (the copy: 212 us on an H200). One copy per operand, read by
 every product that reads it, where it holds at least ``MIN_COPIED`` elements (a smaller
-one costs its launch). cuBLAS then takes the products whose K does not run along the
-padded rows (the weight's gradient: 649 us, where the generated kernel reading the
-unaligned rows took 1164); one along K = 50257 stays generated (library.odd_contiguous_k).
-Inductor also pads K itself, with zeros in both operands (``pad_mm``): not yet here.
+one costs its launch). cuBLAS then takes the products reading it, the odd dim along the
+rows (K = 50257 for the input's gradient, M for the weight's) split off (library.odd_dims):
+Inductor instead pads that dim with zeros in both operands (``pad_mm``), a second copy.
 """
 
 from __future__ import annotations

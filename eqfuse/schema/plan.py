@@ -137,6 +137,7 @@ class LibraryCall:
     out: Any  # BufRef of the output's buffer, as the product lays it out
     description: str  # for explain(): the product's shapes and dtype
     fx_nodes: list = field(default_factory=list)
+    split: tuple = ()  # ((dim "m" | "n" | "k", where its odd tail starts), ...): codegen/library.py torch_calls
 
     def __str__(self) -> str:
         return f"{self.name}: torch.{self.op}, {self.description}"
