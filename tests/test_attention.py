@@ -316,3 +316,27 @@ def test_a_finite_mask_that_could_reach_zero_or_leaves_a_row_unseen_is_no_band()
         c = eqfuse.compile(fn, (q, k, v))
         assert [k.schedule.kind for k in c.kernels] == ["attention"] and c.kernels[0].schedule.band is None
         torch.testing.assert_close(c(q, k, v), fn(q, k, v), atol=1e-2, rtol=1e-2)
+
+
+def test_an_unschedulable_attention_kernel_names_where_to_cut_it():
+    """A kernel holding attention and a product reading its output (an output projection,
+    behind a guard for rows the mask leaves no key) names, for the repair to store, the
+    product's operand down to that guard; a product the attention reads names its own
+    value. (Left to choose among every value, a repair stored the softmax product under
+    the guard, whose row max then needed the scores stored: GPT-2 at 1024 tokens with a
+    bool mask ran its scores through memory.)"""
+    from eqfuse.codegen.attention import _cut_points
+    from eqfuse.schema.plan import PNode
+
+    def node(op, args=(), shape=(4, 8), name=None, attrs=()):
+        return PNode(op, attrs, tuple(args), shape, "float32", name)
+    q, k, v, w = (node("load", attrs=(n, (8, 1), 0)) for n in "qkvw")
+    scores = node("dot", (q, k), (4, 4), "scores")
+    flow = node("expdot", (scores, v), name="flow")
+    guarded = node("where", (node("const", attrs=(True,)), node("const", attrs=(0.0,)), flow), name="guarded")
+    heads = node("reshape", (node("cast", (guarded,), name="cast", attrs=("float32",)),), name="heads")
+    projection = node("dot", (heads, w), (4, 8), "projection")
+    assert _cut_points([projection], [flow]) == ["heads", "cast", "guarded"]
+    upstream = node("dot", (q, w), (4, 8), "qkv")
+    row_max = node("reduce", (scores,), (4, 1), "row_max", attrs=("max",))
+    assert _cut_points([upstream, row_max, projection], [flow]) == ["qkv", "heads", "cast", "guarded"]

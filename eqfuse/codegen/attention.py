@@ -131,13 +131,11 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
         if any(x.op in ("dot", "expdot", "expsum", "reduce") for x in v.walk()):
             raise Unschedulable("a product or reduction inside attention values")
     inside = {id(x) for x in inner} | {id(x) for v in values for x in v.walk()}
-    for x in spec.walk():
-        if id(x) in inside or x.op in ("expdot", "expsum"):
-            continue
-        if x.op == "dot":
-            raise Unschedulable("a product outside attention scores")
-        if x.op == "reduce" and not (x.attrs[0] == "max" and x.args[0] is s):
-            raise Unschedulable("a reduction in an attention kernel")
+    outside = [x for x in spec.walk() if id(x) not in inside and x.op in ("dot", "reduce")]
+    if any(x.op == "dot" for x in outside):
+        raise Unschedulable("a product outside attention scores", store=_cut_points(outside, flows))
+    if any(x.op == "reduce" and not (x.attrs[0] == "max" and x.args[0] is s) for x in outside):
+        raise Unschedulable("a reduction in an attention kernel", store=_cut_points(outside, flows))
     rows = math.prod(batch) * m
     for root, _ in spec.roots:
         if root.numel not in (rows * d, rows):
@@ -149,6 +147,33 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     from . import flash
     return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype, dots=len(values),
                     band=band, flash=flash.form(spec, band, m) if flash.device_supports() else None)
+
+
+def _cut_points(outside: list[PNode], flows: list[PNode]) -> list:
+    """The classes whose storing cuts the products and reductions ``outside`` the attention
+    out of its kernel: of one reading the attention's output (an output projection), its
+    operand holding a softmax product, down through index maps and casts to the first
+    value of two operands (the guard of a row the mask leaves no key); of one the attention
+    reads (a projection, a norm), its own value. A repair left to choose among every value
+    inside stored the softmax product under the guard, whose row max then needed the
+    scores stored too (GPT-2 and GPT-NeoX at 1024 tokens with a bool mask: a matmul kernel
+    writing 12 x 1024 x 1024 scores, which attention then read)."""
+    flow_ids = {id(f) for f in flows}
+    cuts = []
+    for x in outside:
+        if x.op == "reduce" and x.attrs[0] == "max":
+            continue  # a row max: of the scores, or of what a cut above removes
+        for operand in x.args:
+            if any(id(n) in flow_ids for n in operand.walk()):
+                node = operand
+                cuts.append(node.eclass)
+                while len(node.args) == 1:
+                    node = node.args[0]
+                    cuts.append(node.eclass)
+                break
+        else:
+            cuts.append(x.eclass)
+    return cuts
 
 
 def _check_read_as_stored(operands: list[PNode]) -> None:
