@@ -16,6 +16,23 @@ import torch
 from .errors import EqfuseError, ExtractionError, Unsupported, one_line
 
 
+def _dynamo_compile_lock():
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+    except ImportError:  # a torch without it: a lock of eqfuse's own
+        return threading.RLock()
+    return compile_lock
+
+
+# One build at a time in a process: tracing (torch.fx's patcher, make_fx's modes), the
+# real-tensor switch below and egglog keep process-wide state (compiling in 4 threads
+# failed with "CURRENT_PATCHER is None"). It is dynamo's own compile lock, re-entrant, which
+# a build under torch.compile already holds: with a lock of its own, a thread building
+# under it and one tracing a user's torch.compile'd function in eqfuse.compile could each
+# wait for the other's. Kernels of graphs already built keep running meanwhile.
+BUILD_LOCK = _dynamo_compile_lock()
+
+
 def build(fn, example_inputs, options) -> dict:
     from .frontend.capture import capture
     from .runtime import plan_cache
@@ -23,7 +40,7 @@ def build(fn, example_inputs, options) -> dict:
     if _parallel(options, example_inputs) and not plan_cache.enabled(options.plan_cache):
         _prestart()  # with the plan cache on, after a miss (see _build_captured)
     t0 = time.perf_counter()
-    with deep_recursion():
+    with BUILD_LOCK, deep_recursion():
         captured = capture(fn, example_inputs)
         seconds = {"capture": time.perf_counter() - t0}
         with _real_tensors():
@@ -251,9 +268,10 @@ def plan_only(fn, example_inputs, options):
     Raises EqfuseError where the build would run the graph in eager."""
     from .frontend.capture import capture
 
-    captured = capture(fn, example_inputs)
-    with _real_tensors():
-        plan, _, _ = _extract(captured, options, {})
+    with BUILD_LOCK:
+        captured = capture(fn, example_inputs)
+        with _real_tensors():
+            plan, _, _ = _extract(captured, options, {})
     return plan, captured
 
 

@@ -211,3 +211,27 @@ def test_an_unusable_cache_directory_compiles_uncached(tmp_path, monkeypatch, ca
     assert_matches(compiled(x), fn(x))
     assert "cache directory" in caplog.text and "uncached across runs" in caplog.text
     assert cache.cache_dir() == cache._STAND_INS[str(blocker / "cache")] != blocker / "cache"
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_a_module_whose_file_goes_away_still_runs(tmp_path, monkeypatch, written):
+    """The cache directory emptied (or the write failing) between writing a generated
+    module and running its kernels: the module runs from its source in memory, and the
+    interpreter, which reads each kernel's source at launch, finds it there."""
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
+    write = cache.write_atomic
+
+    def write_then_lose(path, data):
+        if not str(path).endswith(".py"):
+            return write(path, data)
+        if not written:
+            raise FileNotFoundError(f"no such directory: {path.parent}")
+        write(path, data)
+        path.unlink()
+    monkeypatch.setattr(cache, "write_atomic", write_then_lose)
+    x = torch.randn(8, 24)
+    fn = lambda x: (x * 3).exp().sum(-1) + x.amax(-1)  # noqa: E731
+    compiled = eqfuse.compile(fn, (x,), plan_cache=False)
+    assert compiled.kernels and not compiled.fallbacks, compiled.explain()
+    assert_matches(compiled(x), fn(x))
+    assert not list(tmp_path.glob("eqfuse_*.py"))

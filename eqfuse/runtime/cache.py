@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import importlib.util
+import linecache
 import logging
 import os
 import shutil
 import sys
 import tempfile
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -95,20 +96,29 @@ def _interpreter(on: bool):
 def load_module(key: str, source: str, interpret: bool):
     """Write ``source`` under ``key`` (unless an identical file is there) and import it."""
     path = cache_dir() / f"eqfuse_{key}.py"
-    if not path.exists() or path.read_text() != source:
-        write_atomic(path, source)
+    try:
+        if not path.exists() or path.read_text() != source:
+            write_atomic(path, source)
+    except OSError as e:  # the directory removed meanwhile: the module runs from memory all the same
+        logging.getLogger("eqfuse").warning("eqfuse: could not write %s (%s)", path, e)
     name = f"eqfuse_generated_{key}_{'i' if interpret else 'g'}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
     if interpret:
         from . import interpreter_fixes
         interpreter_fixes.apply()
     else:
         from . import ptx_loops
         ptx_loops.install()
+    # Made from ``source``, not read back from the file: Triton reads a kernel's source
+    # through inspect, at decoration and (the interpreter) at each launch, and a cache
+    # directory removed meanwhile left it none ("@jit functions should be defined in a
+    # Python file"). linecache keeps the text under the file's name; an entry without a
+    # modification time is never checked against the disk.
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
     with _interpreter(interpret):
-        spec.loader.exec_module(module)
+        exec(compile(source, str(path), "exec"), module.__dict__)
     sys.modules[name] = module
     return module

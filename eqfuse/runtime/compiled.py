@@ -370,12 +370,22 @@ class _Variant:
         self._run_eager()
 
     def _first_run(self, *inputs):
-        self._first(inputs)
+        self._first_once(inputs)
         return self.run(*inputs)
 
     def _first_run_boxed(self, args: list):
-        self._first(args)
+        self._first_once(args)
         return self.run_boxed(args)
+
+    def _first_once(self, inputs):
+        """``_first``, by the first of the threads calling the graph at once; the others
+        wait for it and run what it made ready (one that went ahead found the kernels
+        half-completed). Under the build lock: ``_first`` may build the graph again."""
+        from ..pipeline import BUILD_LOCK
+
+        with BUILD_LOCK:
+            if self._check is not None or self._complete is not None:
+                self._first(inputs)
 
     def _runner(self) -> Callable:
         """The per-call path, closed over what it needs: it runs on every call, so it does

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import torch
 from triton import knobs
@@ -32,6 +33,11 @@ from ..errors import one_line
 log = logging.getLogger("eqfuse")
 
 _RUNTIME_KNOBS = knobs.runtime  # launch hooks a profiler sets: read on every launch, as Triton does
+# Triton's interpreter patches triton.language's functions for the length of a launch and
+# puts them back after: two launches at once in two threads left one kernel calling the
+# unpatched functions ("Did you forget to add @triton.jit ?"). Interpreted launches take
+# turns; compiled kernels on a GPU do not need to.
+INTERPRETER_LOCK = threading.Lock()
 
 
 def _current_device() -> int:
@@ -136,7 +142,8 @@ class KernelLauncher:
         if self.interpreted:
             if self.deferred or self.need and self._alignment(tensors) & self.need != self.need:
                 return self.otherwise(*self._otherwise_args(tensors))
-            self.fn[self.grid](*tensors, **self.constexprs, **self.options)
+            with INTERPRETER_LOCK:
+                self.fn[self.grid](*tensors, **self.constexprs, **self.options)
             if self.on_checked is not None:
                 self._ran()
             return
