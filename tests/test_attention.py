@@ -340,3 +340,23 @@ def test_an_unschedulable_attention_kernel_names_where_to_cut_it():
     upstream = node("dot", (q, w), (4, 8), "qkv")
     row_max = node("reduce", (scores,), (4, 1), "row_max", attrs=("max",))
     assert _cut_points([upstream, row_max, projection], [flow]) == ["qkv", "heads", "cast", "guarded"]
+
+
+def test_a_matmul_kernel_with_a_reduction_names_the_operand_to_store():
+    """A product reading a normalised row (RMSNorm before a projection): the matmul
+    schedule refuses the reduction and names, beside it, the product's operand down to
+    where the reduction joins (storing the statistics alone may not be possible)."""
+    from eqfuse.codegen.kernel import schedule_of
+    from eqfuse.errors import Unschedulable
+    from eqfuse.schema.plan import KernelSpec, PNode
+
+    def node(op, args=(), shape=(4, 8), name=None, attrs=()):
+        return PNode(op, attrs, tuple(args), shape, "float32", name)
+    x, w = node("load", attrs=("x", (8, 1), 0)), node("load", attrs=("w", (8, 1), 0), shape=(8, 8))
+    squares = node("reduce", (node("binary", (x, x), attrs=("mul",)),), (4, 1), "sum_sq", attrs=("sum",))
+    scale = node("broadcast", (node("unary", (squares,), (4, 1), "rsqrt", attrs=("rsqrt",)),), name="scale")
+    normed = node("binary", (x, scale), name="normed", attrs=("mul",))
+    product = node("dot", (node("cast", (normed,), name="cast", attrs=("float32",)), w), (4, 8), "product")
+    with pytest.raises(Unschedulable, match="a reduction in a matmul kernel") as caught:
+        schedule_of(KernelSpec("k0", [(product, "out")]))
+    assert caught.value.store == ("sum_sq", "cast", "normed")

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import Unschedulable
 from ..schema import ops
-from ..schema.plan import KernelSpec, PNode
+from ..schema.plan import KernelSpec, PNode, operand_cut
 from . import tma
 from .indexing import Env, Idx, env_of, reshape_env, strided_offset
 from .kernel import KernelWriter, Val, literal, next_pow2, operand_key
@@ -116,7 +116,8 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     outer = [d for d in dots if not any(x is d for o in dots if o is not d for x in o.walk())]
     _check_read_as_stored(values + [d.args[1] for d in outer])
     if len(dots) > 1:
-        raise Unschedulable("more than one product in attention scores")
+        raise Unschedulable("more than one product in attention scores",
+                            store=[c for d in outer for c in operand_cut(d, {id(x) for x in dots if x is not d})])
     widths = {v.shape[-1] for v in values}
     if len(widths) > 1:
         raise Unschedulable("softmax products of different widths in one kernel")
@@ -159,21 +160,8 @@ def _cut_points(outside: list[PNode], flows: list[PNode]) -> list:
     scores stored too (GPT-2 and GPT-NeoX at 1024 tokens with a bool mask: a matmul kernel
     writing 12 x 1024 x 1024 scores, which attention then read)."""
     flow_ids = {id(f) for f in flows}
-    cuts = []
-    for x in outside:
-        if x.op == "reduce" and x.attrs[0] == "max":
-            continue  # a row max: of the scores, or of what a cut above removes
-        for operand in x.args:
-            if any(id(n) in flow_ids for n in operand.walk()):
-                node = operand
-                cuts.append(node.eclass)
-                while len(node.args) == 1:
-                    node = node.args[0]
-                    cuts.append(node.eclass)
-                break
-        else:
-            cuts.append(x.eclass)
-    return cuts
+    # a row max: of the scores, or of what a cut above removes
+    return [c for x in outside if not (x.op == "reduce" and x.attrs[0] == "max") for c in operand_cut(x, flow_ids)]
 
 
 def _check_read_as_stored(operands: list[PNode]) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from ..errors import Unschedulable
 from ..rewrite.cost import device_model
 from ..schema import ops
-from ..schema.plan import KernelSpec, PNode
+from ..schema.plan import KernelSpec, PNode, operand_cut
 from . import access, matmul_templates, pointwise, tiles, tma
 from .indexing import (
     Env,
@@ -166,9 +166,13 @@ def _row_reduction(fn: str, tile: str, nan_aware: bool) -> str:
 
 
 def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
-    reductions = [n.eclass for n in spec.walk() if n.op == "reduce"]
+    reductions = [n for n in spec.walk() if n.op == "reduce"]
     if reductions:
-        raise Unschedulable("a reduction in a matmul kernel", store=reductions)
+        # the reductions, else where a product's operand leaves them (a normalised row:
+        # its statistics may be no value extraction can store)
+        inner = {id(n) for n in reductions}
+        cuts = [c for d in dots if any(id(n) in inner for a in d.args for n in a.walk()) for c in operand_cut(d, inner)]
+        raise Unschedulable("a reduction in a matmul kernel", store=[n.eclass for n in reductions] + cuts)
     forms = {(d.shape, d.args[0].shape[-1], d.args[0].dtype) for d in dots}
     if len(forms) != 1:
         raise Unschedulable("matmuls of different shapes in one kernel")

@@ -403,9 +403,12 @@ class Extractor:
 
     def _repair_candidates(self, reason: Unschedulable, inside: list) -> list:
         """The values a repair tries to store, of those ``inside`` an unschedulable kernel:
-        those the code generator names (a matmul kernel's reductions, an attention kernel's
-        computed keys), else all of them. Trying every value each round made T5's training
-        backward weigh 244 trial plans a round, round after round (20 GB of kernels)."""
+        those the code generator names (a matmul kernel's reductions and where its operands
+        leave them, an attention kernel's computed keys, where a product or a projection
+        leaves attention), else all of them. Trying every value each round made T5's
+        training backward weigh 244 trial plans a round, round after round (20 GB of
+        kernels); a tiny 8-layer Llama's extraction took 42.8 s on this machine's CPU, 11.8
+        with the projections and norms named."""
         named = [c for c in inside if c in reason.store]
         return named or inside
 

@@ -165,6 +165,23 @@ class Plan:
         return [s for s in self.steps if isinstance(s, LibraryCall)]
 
 
+def operand_cut(node: PNode, inner: set) -> list:
+    """The e-classes whose storing separates ``node`` from the nodes it reads whose ids are
+    in ``inner``: its first operand that reads one, then down that operand's single-operand
+    nodes (index maps, casts, unary ops) to the first node of two operands; where no
+    operand reads one, ``node``'s own class. Unschedulable names them for extraction's
+    repair, which otherwise tries every value inside the kernel (code generation: a
+    product reading a normalised row, attention reading its projections)."""
+    for operand in node.args:
+        if any(id(n) in inner for n in operand.walk()):
+            cuts = [operand.eclass]
+            while len(operand.args) == 1:
+                operand = operand.args[0]
+                cuts.append(operand.eclass)
+            return cuts
+    return [node.eclass]
+
+
 def substitute(node: PNode, new: dict) -> PNode:
     """``node`` with the nodes whose id ``new`` maps replaced, rebuilding what is above them."""
     memo: dict[int, PNode] = {}
