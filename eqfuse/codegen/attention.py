@@ -117,7 +117,8 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     _check_read_as_stored(values + [d.args[1] for d in outer])
     if len(dots) > 1:
         raise Unschedulable("more than one product in attention scores",
-                            store=[c for d in outer for c in operand_cut(d, {id(x) for x in dots if x is not d})])
+                            store=[c for d in outer
+                                   for c in operand_cut(d, {id(x) for x in dots if x is not d}) or [d.eclass]])
     widths = {v.shape[-1] for v in values}
     if len(widths) > 1:
         raise Unschedulable("softmax products of different widths in one kernel")
@@ -161,7 +162,8 @@ def _cut_points(outside: list[PNode], flows: list[PNode]) -> list:
     writing 12 x 1024 x 1024 scores, which attention then read)."""
     flow_ids = {id(f) for f in flows}
     # a row max: of the scores, or of what a cut above removes
-    return [c for x in outside if not (x.op == "reduce" and x.attrs[0] == "max") for c in operand_cut(x, flow_ids)]
+    return [c for x in outside if not (x.op == "reduce" and x.attrs[0] == "max")
+            for c in operand_cut(x, flow_ids) or [x.eclass]]
 
 
 def _check_read_as_stored(operands: list[PNode]) -> None:

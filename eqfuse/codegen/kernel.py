@@ -171,7 +171,7 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
         # the reductions, else where a product's operand leaves them (a normalised row:
         # its statistics may be no value extraction can store)
         inner = {id(n) for n in reductions}
-        cuts = [c for d in dots if any(id(n) in inner for a in d.args for n in a.walk()) for c in operand_cut(d, inner)]
+        cuts = [c for d in dots for c in operand_cut(d, inner)]
         raise Unschedulable("a reduction in a matmul kernel", store=[n.eclass for n in reductions] + cuts)
     forms = {(d.shape, d.args[0].shape[-1], d.args[0].dtype) for d in dots}
     if len(forms) != 1:

@@ -195,9 +195,9 @@ MIN_SPLIT = 1024  # elements: a shorter odd dim is not split (a second call cost
 
 def odd_dims(matrices: list, itemsize: int) -> dict:
     """dim ("m", "n", "k") -> its size, for the dims of the product of ``matrices`` ([a, b,
-    the matrix added if any, out] as BufRefs) that one of them runs along with unit stride and that are not
-    a whole number of 16 bytes long: cuBLAS then takes kernels that load one element at a
-    time, however the rows are aligned (GPT-2's logits gradient times the embedding, K =
+    the matrix added if any, out] as BufRefs) that one of them runs along with unit stride
+    and that are not a whole number of 16 bytes long: cuBLAS then takes kernels that load
+    one element at a time, however the rows are aligned (GPT-2's logits gradient times the embedding, K =
     50257 with its rows padded: ``cutlass_75_tensorop_bf16_s1688gemm_bf16_256x128_nn_align1``,
     2546 us on an H200; a Triton kernel took 1513)."""
     odd = {}

@@ -168,10 +168,10 @@ class Plan:
 def operand_cut(node: PNode, inner: set) -> list:
     """The e-classes whose storing separates ``node`` from the nodes it reads whose ids are
     in ``inner``: its first operand that reads one, then down that operand's single-operand
-    nodes (index maps, casts, unary ops) to the first node of two operands; where no
-    operand reads one, ``node``'s own class. Unschedulable names them for extraction's
-    repair, which otherwise tries every value inside the kernel (code generation: a
-    product reading a normalised row, attention reading its projections)."""
+    nodes (index maps, casts, unary ops) to the first node of two operands; none where no
+    operand reads one. Unschedulable names them for extraction's repair, which otherwise
+    tries every value inside the kernel (code generation: a product reading a normalised
+    row, attention reading its projections)."""
     for operand in node.args:
         if any(id(n) in inner for n in operand.walk()):
             cuts = [operand.eclass]
@@ -179,7 +179,7 @@ def operand_cut(node: PNode, inner: set) -> list:
                 operand = operand.args[0]
                 cuts.append(operand.eclass)
             return cuts
-    return [node.eclass]
+    return []
 
 
 def substitute(node: PNode, new: dict) -> PNode:
