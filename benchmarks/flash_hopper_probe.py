@@ -30,7 +30,7 @@ import triton
 from common import bench_interleaved, save_results
 
 import eqfuse
-from eqfuse.codegen.flash import persistent_programs
+from eqfuse.codegen.flash import padded, persistent_programs
 from eqfuse.codegen.flash_hopper import CONSUMER_REGS, MAXNREG, flash_attention_hopper
 from eqfuse.examples import attention, causal_attention
 
@@ -57,12 +57,12 @@ def flash(q, k, v, causal: bool, cfg, out=None):
         programs, chunk = persistent_programs(b * h, m, n, d, q.element_size(), bm)
         grid = (programs,)
     flash_attention_hopper[grid](
-        q, k, v, o, H=h, M=m, N=n, D=d, OQ=0, OK=0, OV=0, OO=0,
+        q, k, v, o, H=h, M=m, N=n, D=d, DP=padded(d), OQ=0, OK=0, OV=0, OO=0,
         SQB=q.stride(0), SQH=q.stride(1), SQM=q.stride(2),
         SKB=k.stride(0), SKH=k.stride(1), SKN=k.stride(2),
         SVB=v.stride(0), SVH=v.stride(1), SVN=v.stride(2),
         SOB=o.stride(0), SOH=o.stride(1), SOM=o.stride(2),
-        SCALE=scale, CAUSAL=causal, BAND_HI=0, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
+        SCALE=scale, CAUSAL=causal, BAND_HI=0, KT=False, GROUP=1, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
         CONSUMER_REGS=CONSUMER_REGS, BH=b * h, PROGRAMS=programs, CHUNK=chunk, num_warps=4, maxnreg=MAXNREG)
     return o
 
@@ -77,6 +77,9 @@ CHECKS = [  # (dtype, d, s, causal, layout, cfg index)
     *[("float16", d, 100, c, "bshd", i) for d in (64, 128) for c in (False, True) for i in (0, 1, 2)],
     ("bfloat16", 128, 256, True, "bhsd", 1), ("float16", 64, 256, False, "bhsd", 2),
     ("float16", 128, 1, True, "bhsd", 0), ("float16", 64, 129, True, "bhsd", 2),
+    *[(dt, 96, s, c, layout, i) for dt in ("float16", "bfloat16") for s in (17, 300) for c in (False, True)
+      for layout in ("bhsd", "bshd") for i in (0, 1)],
+    *[("bfloat16", 96, s, c, "bhsd", 3) for s in (128, 384) for c in (False, True)],
     *[(dt, d, s, c, "bhsd", 3) for dt in ("float16", "bfloat16") for d in (64, 128) for s in (128, 384)
       for c in (False, True)],
 ]
@@ -143,12 +146,15 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="S=2048 fp16 only")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths timed (default 2048, 8192)")
+    p.add_argument("--dims", type=int, nargs="+", default=[128, 64], help="head dims timed")
     args = p.parse_args(argv)
     print(torch.cuda.get_device_name(), flush=True)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.uint8, device="cuda"))
     log: list = []
     bad = 0 if args.no_check else check_values(log)
-    cases = [(s, d, dt, c) for s in ((2048,) if args.quick else (2048, 8192)) for d in (128, 64)
+    seqs = args.seq or ((2048,) if args.quick else (2048, 8192))
+    cases = [(s, d, dt, c) for s in seqs for d in args.dims
              for dt in ((torch.float16,) if args.quick else (torch.float16, torch.bfloat16)) for c in (False, True)]
     for case in cases:
         try:

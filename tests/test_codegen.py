@@ -118,6 +118,24 @@ def test_a_row_reduction_read_along_its_rows_stays_whole():
     assert not kernel.schedule.columns and kernel.schedule.persistent
 
 
+def test_a_sum_of_values_read_once_per_row_keeps_rows_per_program():
+    """A cross-entropy's backward: its sum over the one-hot reads only the targets (one
+    value a row, unit stride along the rows), while the gradient it writes reads the
+    logits along the rows' length; tiles across rows would read those a sector apart."""
+    def ce_backward(logits, lse, target, scale):
+        cols = torch.arange(logits.shape[1])
+        onehot = torch.where(cols == target[:, None], scale, 0.0)
+        return onehot - torch.exp(logits - lse[:, None]) * onehot.sum(1, keepdim=True)
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(64, 300), torch.randint(0, 300, (64,))
+    inputs = [logits, torch.logsumexp(logits, 1), target, torch.tensor(-1 / 64)]
+    compiled = eqfuse.compile(ce_backward, inputs)
+    assert_matches(compiled(*inputs), ce_backward(*inputs))
+    (kernel,) = [k for k in compiled.kernels if k.schedule.kind == "reduction"]
+    assert not kernel.schedule.columns, kernel.schedule
+
+
 def test_a_cat_branch_keeps_the_digit_structure_of_its_index():
     """Below a cat, the shifted index is a digit of its own: a reshape under the branch
     splits it exactly instead of unravelling the linear index (whose divisions hide

@@ -160,13 +160,25 @@ def test_per_program_form_only_at_head_dim_128(monkeypatch):
     assert sorted(c["FLASH"] for c in flash.candidates(hopper_schedule(monkeypatch, k128))) == [1, 1, 2]
 
 
-def test_an_untuned_build_runs_the_template_at_head_dim_128_only(monkeypatch):
-    """The first candidate is the untuned configuration: the template's at head dim 128
-    (faster wherever measured), the portable kernel's at 64 (within 8% either way)."""
+@pytest.mark.parametrize("layout,persistent", [("bhsd", True), ("kt", False)])
+def test_a_head_dim_under_a_power_of_two_runs_in_tiles_of_the_next(monkeypatch, layout, persistent):
+    """D = 96 computes as 128 (TMA fills the columns past 96 with zeros); k stored
+    transposed has 96 rows a head, which a persistent box of 128 would overrun."""
+    _, k, _ = kernel_of("causal_attention", heads=3, seq=256, d=96, layout=layout)
+    sched = hopper_schedule(monkeypatch, k)
+    forms = sorted(c["FLASH"] for c in flash.candidates(sched))
+    assert forms == ([1, 1, 2] if persistent else [1, 1])
+    compiled, info, _, _ = flash_module(monkeypatch, "causal_attention", heads=3, seq=256, d=96, layout=layout)
+    assert (info.constexprs["D"], info.constexprs["DP"]) == (96, 128)
+
+
+def test_an_untuned_build_runs_the_template_in_tiles_128_wide_only(monkeypatch):
+    """The first candidate is the untuned configuration: the template's at head dims 96
+    and 128 (faster wherever measured), the portable kernel's at 64 (within 8% either way)."""
     from eqfuse.codegen import attention
     from eqfuse.codegen.kernel import default_config
-    kernels = {d: kernel_of("attention", heads=3, seq=256, d=d)[1] for d in (128, 64)}
-    for d, first in ((128, 2), (64, None)):
+    kernels = {d: kernel_of("attention", heads=3, seq=256, d=d)[1] for d in (128, 96, 64)}
+    for d, first in ((128, 2), (96, 2), (64, None)):
         sched = hopper_schedule(monkeypatch, kernels[d])
         assert attention.candidates(sched)[0].get("FLASH") == first
         assert default_config(sched) == attention.candidates(sched)[0]
@@ -208,7 +220,10 @@ def _hopper() -> bool:
 
 CASES = [(PER_PROGRAM, 128, seq, layout) for seq in (1, 17, 100, 300) for layout in ("bhsd", "bshd")] + \
     [(PER_PROGRAM, 128, seq, "kt") for seq in (24, 104, 304)] + \
-    [(PERSISTENT, d, seq, layout) for d in (64, 128) for seq in (128, 384) for layout in ("bhsd", "kt")]
+    [(PERSISTENT, d, seq, layout) for d in (64, 128) for seq in (128, 384) for layout in ("bhsd", "kt")] + \
+    [(PER_PROGRAM, 96, seq, layout) for seq in (17, 300) for layout in ("bhsd", "bshd")] + \
+    [(PER_PROGRAM, 96, seq, "kt") for seq in (24, 104)] + \
+    [(PERSISTENT, 96, 384, "bhsd")]
 
 
 @pytest.mark.gpu
@@ -238,14 +253,16 @@ from eqfuse.runtime.compile_worker import ast_source
 
 fn = flash_hopper.flash_attention_hopper
 out = []
-for programs, causal, stages, kt, group in ((0, True, 3, False, 1), (132, False, 2, False, 1), (132, True, 2, True, 1),
-                                           (0, True, 3, False, 4), (132, True, 2, False, 2)):
+for programs, causal, stages, kt, group, d in ((0, True, 3, False, 1, 128), (132, False, 2, False, 1, 128),
+                                              (132, True, 2, True, 1, 128), (0, True, 3, False, 4, 128),
+                                              (132, True, 2, False, 2, 128), (0, True, 3, True, 1, 96),
+                                              (132, True, 2, False, 1, 96)):
     sig = {p: "*fp16" if p.endswith("_ptr") else "constexpr" for p in fn.arg_names}
-    cx = dict(H=4, M=512, N=512, D=128, OQ=0, OK=0, OV=0, OO=0, SCALE=0.1, CAUSAL=causal, BAND_HI=0,
+    cx = dict(H=4, M=512, N=512, D=d, DP=128, OQ=0, OK=0, OV=0, OO=0, SCALE=0.1, CAUSAL=causal, BAND_HI=0,
               BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=8,
               PROGRAMS=programs, CHUNK=4, KT=kt, GROUP=group)
     for t, rows in (("Q", "M"), ("K", "N"), ("V", "N"), ("O", "M")):
-        cx.update({f"S{t}B": 4 * 512 * 128, f"S{t}H": 512 * 128, f"S{t}{rows}": 128})
+        cx.update({f"S{t}B": 4 * 512 * d, f"S{t}H": 512 * d, f"S{t}{rows}": d})
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.arg_names) if p.endswith("_ptr")}
     k = triton.compile(ast_source(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "maxnreg": flash_hopper.MAXNREG})
@@ -258,7 +275,7 @@ print(json.dumps(out))
 
 def test_the_template_compiles_for_sm90_without_a_gpu():
     """Triton's compiler and its bundled ptxas need no GPU: both forms build for Hopper
-    (with k and v shared by groups of heads too),
+    (with k and v shared by groups of heads too, and at a head dim of 96 in tiles of 128),
     with their products on wgmma, registers handed from the loader to the consumers, and
     shared memory under the H100's 227 KB (in a child process: one that interprets Triton
     kernels cannot compile them)."""

@@ -550,9 +550,10 @@ def _static(node: PNode):
 def candidates(sched) -> list[dict]:
     """Tile configurations in the model's order, clamped to the sizes, and where the
     kernel has the plain form on a Hopper GPU, the flash template's (codegen/flash.py):
-    first at head dim 128, where it ran faster than the portable kernel in every case
-    measured (H200, benchmarks/attention.py: 0.98-1.04x SDPA's time, the portable kernel
-    1.29-1.31x at S=2048), so that an untuned build runs it; after them elsewhere."""
+    first where its tiles are 128 wide along the head dim (head dims 65 to 128), where it
+    ran faster than the portable kernel in every case measured (H200, benchmarks/attention.py:
+    0.98-1.04x SDPA's time at 128, the portable kernel 1.29-1.31x at S=2048), so that an
+    untuned build runs it; after them elsewhere."""
     from . import flash
     out = []
     for bm, bn, warps, stages in TILES:
@@ -562,7 +563,7 @@ def candidates(sched) -> list[dict]:
         if cfg not in out:
             out.append(cfg)
     template = flash.candidates(sched)
-    return template + out if sched.d == 128 else out + template
+    return template + out if flash.padded(sched.d) == 128 else out + template
 
 
 def runnable(cfg: dict) -> bool:

@@ -28,10 +28,10 @@ from ..schema import ops
 from ..schema.plan import KernelSpec, PNode
 from . import access
 
-# The template's configurations the autotuner is offered: (FLASH, head dims, BLOCK_M,
-# BLOCK_N, K/V ring depth as num_stages), two consumer warpgroups of BLOCK_M / 2 rows each.
-# FLASH = 1: one program per query block; 2: persistent programs (where heads and rows
-# collapse and no tile is ragged: ``Form.collapsible``). On an H200
+# The template's configurations the autotuner is offered: (FLASH, tile widths along the
+# head dim (``padded``), BLOCK_M, BLOCK_N, K/V ring depth as num_stages), two consumer
+# warpgroups of BLOCK_M / 2 rows each. FLASH = 1: one program per query block; 2:
+# persistent programs (where ``persistent_fits``). On an H200
 # (benchmarks/flash_hopper_probe.py, S=2048 fp16): at D=128 one program per block ran
 # 536-557 us, persistent 494, the portable kernel 637, SDPA 516 (causal: 349-369, 289,
 # 373, 313); at D=64 one program per block lost to the portable kernel (405-449 against
@@ -78,16 +78,28 @@ def device_supports() -> bool:
         return False
 
 
+def padded(d: int) -> int:
+    """The template's tile width along a head dim of ``d``: the power of two at or above it."""
+    return 1 << (d - 1).bit_length()
+
+
+def persistent_fits(f: Form, sched, block_m: int, block_n: int) -> bool:
+    """Whether the persistent form can run: heads and rows collapse, no tile is ragged, and
+    a box of k^T (k stored transposed) is one head's D rows."""
+    return (f.collapsible and sched.m % block_m == 0 and sched.n % block_n == 0
+            and not (f.k_transposed and padded(sched.d) != sched.d))
+
+
 def candidates(sched) -> list[dict]:
     """The template's configurations for an attention schedule that has the plain form
-    (``sched.flash``; the persistent ones where its operands collapse, with no ragged tile)."""
+    (``sched.flash``; the persistent ones where ``persistent_fits``), by the head dim its
+    tiles are (``padded``)."""
     f = sched.flash
     if f is None or not device_supports():
         return []
     out = []
     for form_, dims, bm, bn, stages in TILES:
-        persistent_fits = f.collapsible and sched.m % bm == 0 and sched.n % bn == 0
-        if sched.d in dims and (form_ == 1 or persistent_fits):
+        if padded(sched.d) in dims and (form_ == 1 or persistent_fits(f, sched, bm, bn)):
             out.append({"FLASH": form_, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": stages})
     return out
 
@@ -232,11 +244,10 @@ def constexprs(f: Form, sched, buffers: dict, cfg: dict) -> dict | None:
     o = Operand(f.out, 0, strides[:-2], strides[-2])
     batch = tuple(sched.batch)
     persistent = cfg["FLASH"] == 2
-    if persistent and not (f.collapsible and collapses(o, batch, sched.m)
-                           and sched.m % cfg["BLOCK_M"] == 0 and sched.n % cfg["BLOCK_N"] == 0):
+    if persistent and not (persistent_fits(f, sched, cfg["BLOCK_M"], cfg["BLOCK_N"]) and collapses(o, batch, sched.m)):
         return None
     heads = batch[-1] if batch else 1
-    values = {"H": heads, "M": sched.m, "N": sched.n, "D": sched.d}
+    values = {"H": heads, "M": sched.m, "N": sched.n, "D": sched.d, "DP": padded(sched.d)}
     for name, op in (("Q", f.q), ("K", f.k), ("V", f.v), ("O", o)):
         b_stride, h_stride = _batch_strides(op.batch_strides, len(batch))
         row = "M" if name in "QO" else "N"

@@ -29,8 +29,12 @@ fp16 or bf16 ``[B, H, M or N, D]`` at offsets OQ, OK, OV, OO (elements) from the
 pointers, with any batch and head strides and a unit stride along D; where KT, k is
 stored transposed instead (``[B, H, D, N]``, a unit stride along the keys: Llama's k
 after its rotary embedding) and read as ``[D, BLOCK_N]`` tiles. Offsets, strides and
-base addresses must be multiples of 16 bytes (TMA). The kernel makes its TMA descriptors
-on the device (Triton's global scratch): per program for its head, or once per persistent
+base addresses must be multiples of 16 bytes (TMA). Tiles are DP wide along the head
+dim, the power of two at or above D: where D is less (96, say), TMA fills the columns
+past D with zeros as it loads (nothing added to a score, a zero column of the output)
+and leaves them out as it stores; k stored transposed then has D rows a head, so its
+persistent form, whose boxes would reach into the next head, needs D = DP. The kernel
+makes its TMA descriptors on the device (Triton's global scratch): per program for its head, or once per persistent
 program over collapsed operands. The sizes and strides are constexprs: the kernel is
 compiled for one shape, as eqfuse's generated kernels are.
 """
@@ -245,7 +249,7 @@ def _consumer(o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, WHICH: gl.cons
 @gluon.jit
 def flash_attention_hopper(
         q_ptr, k_ptr, v_ptr, o_ptr,
-        H: gl.constexpr, M: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
+        H: gl.constexpr, M: gl.constexpr, N: gl.constexpr, D: gl.constexpr, DP: gl.constexpr,
         OQ: gl.constexpr, OK: gl.constexpr, OV: gl.constexpr, OO: gl.constexpr,
         SQB: gl.constexpr, SQH: gl.constexpr, SQM: gl.constexpr,
         SKB: gl.constexpr, SKH: gl.constexpr, SKN: gl.constexpr, KT: gl.constexpr, GROUP: gl.constexpr,
@@ -276,22 +280,22 @@ def flash_attention_hopper(
     QBUF: gl.constexpr = 2 if PROGRAMS else 1
     MB: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], dtype)
-    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    k_box: gl.constexpr = [D, BLOCK_N] if KT else [BLOCK_N, D]
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, DP], dtype)
+    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DP], dtype)
+    k_box: gl.constexpr = [DP, BLOCK_N] if KT else [BLOCK_N, DP]
     k_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(k_box, dtype)
     k_rows: gl.constexpr = D if KT else N  # rows of a head's K box
     k_cols: gl.constexpr = N if KT else D
     if PROGRAMS:
         work = (gl.program_id(0), BH * MB, PROGRAMS, 0, 0)
         q_desc = tma.make_tensor_descriptor(q_ptr + OQ, shape=[BH * M, D], strides=[SQM, 1],
-                                            block_shape=[HALF, D], layout=q_smem_layout)
+                                            block_shape=[HALF, DP], layout=q_smem_layout)
         k_desc = tma.make_tensor_descriptor(k_ptr + OK, shape=[BH // GROUP * k_rows, k_cols], strides=[SKN, 1],
                                             block_shape=k_box, layout=k_smem_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr + OV, shape=[BH // GROUP * N, D], strides=[SVN, 1],
-                                            block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+                                            block_shape=[BLOCK_N, DP], layout=kv_smem_layout)
         o_desc = tma.make_tensor_descriptor(o_ptr + OO, shape=[BH * M, D], strides=[SOM, 1],
-                                            block_shape=[HALF, D], layout=q_smem_layout)
+                                            block_shape=[HALF, DP], layout=q_smem_layout)
     else:
         pid = gl.program_id(0)
         if CAUSAL:  # the longest rows first: the last wave is made of short programs
@@ -301,22 +305,22 @@ def flash_attention_hopper(
         h = bh % H
         work = (0, 1, 1, pid, bh)
         q_desc = tma.make_tensor_descriptor(q_ptr + OQ + b * SQB + h * SQH, shape=[M, D], strides=[SQM, 1],
-                                            block_shape=[HALF, D], layout=q_smem_layout)
+                                            block_shape=[HALF, DP], layout=q_smem_layout)
         k_desc = tma.make_tensor_descriptor(k_ptr + OK + b * SKB + (h // GROUP) * SKH, shape=[k_rows, k_cols],
                                             strides=[SKN, 1], block_shape=k_box, layout=k_smem_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr + OV + b * SVB + (h // GROUP) * SVH, shape=[N, D], strides=[SVN, 1],
-                                            block_shape=[BLOCK_N, D], layout=kv_smem_layout)
+                                            block_shape=[BLOCK_N, DP], layout=kv_smem_layout)
         o_desc = tma.make_tensor_descriptor(o_ptr + OO + b * SOB + h * SOH, shape=[M, D], strides=[SOM, 1],
-                                            block_shape=[HALF, D], layout=q_smem_layout)
+                                            block_shape=[HALF, DP], layout=q_smem_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2 * QBUF, HALF, D], q_smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * QBUF, HALF, DP], q_smem_layout)
     if PROGRAMS:
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_smem_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, HALF, DP], q_smem_layout)
     else:  # one item: each half of q stages its own output once its last product is done
         o_smem = q_smem
-    k_ring: gl.constexpr = [STAGES, D, BLOCK_N] if KT else [STAGES, BLOCK_N, D]
+    k_ring: gl.constexpr = [STAGES, DP, BLOCK_N] if KT else [STAGES, BLOCK_N, DP]
     k_smem = gl.allocate_shared_memory(dtype, k_ring, k_smem_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_smem_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DP], kv_smem_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -334,9 +338,9 @@ def flash_attention_hopper(
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
 
     gl.warp_specialize([
-        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 0, M, N, D, KT, SCALE, CAUSAL, BAND_HI,
+        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 0, M, N, DP, KT, SCALE, CAUSAL, BAND_HI,
                      BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
-        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 1, M, N, D, KT, SCALE, CAUSAL, BAND_HI,
+        (_consumer, (o_desc, q_smem, o_smem, k_smem, v_smem, bars, work, 1, M, N, DP, KT, SCALE, CAUSAL, BAND_HI,
                      BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, work, M, N, D, KT, GROUP, CAUSAL, BAND_HI,
                    BLOCK_M, BLOCK_N, STAGES, QBUF, PROGRAMS, MB, BH, CHUNK)),

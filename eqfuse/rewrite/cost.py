@@ -112,19 +112,22 @@ OPERAND_TILE = 128  # a matmul operand is computed once per output tile it meets
 
 # On Hopper the flash template (codegen/flash.py) runs an attention kernel of the plain
 # form at head dim 128 about 1.3x faster than the portable kernel does (H200, S=2048: the
-# portable kernel 1.29-1.31x SDPA's time, the template 0.98-1.04x). There, a kernel the
-# template cannot take (a prologue such as q's rotary embedding) is costed at the portable
-# kernel's rate, so that extraction weighs a kernel of its own for the prologue against
-# it. At head dim 64 the two ran within 8% of each other: not weighed.
-PORTABLE_ATTENTION_SLOWDOWN = 1.3
+# portable kernel 1.29-1.31x SDPA's time, the template 0.98-1.04x), and at 96 in tiles of
+# 128 (B=4, H=32, S=1024, causal, bf16: 436 us untuned with q's rotary embedding as the
+# portable kernel's prologue, the template 89). There, a kernel the template cannot take
+# (a prologue such as q's rotary embedding) is costed at the portable kernel's rate, so
+# that extraction weighs a kernel of its own for the prologue against it; at 1.3 (the
+# autotuned ratio at 128) a head dim of 96 kept q's rotary embedding in the portable
+# kernel. At head dim 64 the two ran within 8% of each other: not weighed.
+PORTABLE_ATTENTION_SLOWDOWN = 2.0
 
 
 def attention_slowdown(sched) -> float:
     """How much slower than the tensor cores' rate an attention kernel's products run:
-    PORTABLE_ATTENTION_SLOWDOWN for a head-dim-128 kernel on a device where the flash
-    template runs others but cannot run this one, else 1."""
+    PORTABLE_ATTENTION_SLOWDOWN for a kernel the flash template would run in tiles 128
+    wide, on a device where it runs others but cannot run this one, else 1."""
     from ..codegen import flash
-    if sched.flash is None and sched.k == sched.d == 128 and flash.device_supports():
+    if sched.flash is None and sched.k == sched.d and flash.padded(sched.d) == 128 and flash.device_supports():
         return PORTABLE_ATTENTION_SLOWDOWN
     return 1.0
 
