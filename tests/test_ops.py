@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from conftest import assert_matches
 
 import eqfuse
+import eqfuse.backend
 from eqfuse.schema import ops
 
 X = (5, 12)
@@ -272,6 +273,29 @@ def test_copy_into_a_slice_is_a_kernel():
     captured = eqfuse.compile(shift_right, (ids, scale))
     assert captured.fallbacks == [], captured.explain()
     assert torch.equal(captured(ids, scale), shift_right(ids, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32, torch.bfloat16], ids=str)
+def test_a_literal_moved_to_the_device_is_a_constant_of_the_kernel(dtype):
+    """``torch.tensor(4096).to(x.device)`` (transformers' sliding-window cache keeps its
+    window so, made on the CPU) is its value folded into the kernel, in the dtype it is
+    moved to: a copy between devices would be an eager step, which keeps a graph from
+    CUDA graphs and waits for the GPU on every call. (On the CPU the move is a cast; one
+    to its own dtype would leave no copy at all.)"""
+    from eqfuse.schema.plan import step_reads
+
+    def banded(q, k):
+        w = torch.tensor(3, dtype=torch.long).to(device=q.device, dtype=dtype)
+        return torch.where(k[None, :] > q[:, None] - w, q[:, None] * 2.5, -1.0)
+
+    q, k = torch.arange(7.0), torch.arange(9.0)
+    eqfuse.backend.history.clear()
+    compiled = torch.compile(banded, backend="eqfuse", fullgraph=True)
+    assert torch.equal(compiled(q, k), banded(q, k))
+    graph, = eqfuse.backend.history
+    scalars = {b.name for b in graph.plan.inputs if b.shape == ()}
+    assert graph.fallbacks == [], graph.explain()
+    assert not any(scalars & step_reads(k) for k in graph.plan.kernels), graph.explain()
 
 
 def test_a_literal_copied_into_a_tensor_is_a_constant_of_the_kernel():

@@ -683,6 +683,11 @@ def _clamp(tr, node, x, lo=None, hi=None, **kw):
 @handles(aten._to_copy, prims.convert_element_type, aten.to)
 def _to_copy(tr, node, x, *args, **kw):
     shape, dt = _out(node)
+    if isinstance(x, BufferView) and not x.shape and x.buf in tr.literals:
+        # A literal of the code moved to the device (a sliding-window cache's window size,
+        # made on the CPU): its value in the new dtype, which no kernel then reads from the CPU
+        value = torch.tensor(tr.literals[x.buf], dtype=ops.DTYPES[x.dtype]).to(ops.DTYPES[dt]).item()
+        return Computed(tr.operand(value, shape, dt), shape, dt)
     m = _meta(node)
     if isinstance(x, (BufferView, Computed)) and str(m.device) != str(_meta(node.args[0]).device):
         raise Unsupported("a copy between devices")
