@@ -320,6 +320,26 @@ def test_a_literal_copied_into_a_tensor_is_a_constant_of_the_kernel():
     assert not any(scalars & step_reads(k) for k in graph.plan.kernels), graph.explain()
 
 
+@pytest.mark.parametrize("pad,value", [((1, 2), 0.0), ((0, 3, 2, 0), -1.5), ((-1, 2), float("nan")),
+                                       ((2, -3, -1, 1), float("-inf")), ((0, 0, 1, 1, 1, 0), 7.0)],
+                         ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32], ids=str)
+def test_constant_pad_is_a_kernel(pad, value, dtype):
+    """``F.pad`` (an attention mask padded to a multiple of 8 in training graphs) is a
+    concatenation with blocks of the value, narrowed where a pad is negative; ±inf and NaN
+    as the value, and an integer tensor, as eager gives them."""
+    if not dtype.is_floating_point:
+        value = 0 if value != value or abs(value) == float("inf") else int(value)
+
+    def padded(x):
+        return F.pad(x * 2, pad, value=value) + 1
+
+    x = torch.randn(3, 5, 6).to(dtype) if dtype.is_floating_point else torch.randint(-9, 9, (3, 5, 6), dtype=dtype)
+    compiled = eqfuse.compile(padded, [x])
+    assert compiled.fallbacks == [] and len(compiled.kernels) == 1, compiled.explain()
+    assert_matches(compiled(x), padded(x))
+
+
 def test_slice_scatter_of_inputs_reads_them_in_place():
     """Unmodified input parts are strided loads of the input: one kernel, exact values."""
     base, src = torch.randn(4, 10), torch.randn(4, 3)

@@ -970,6 +970,33 @@ def _part(tr, x, dim: int, start: int, size: int):
     return Computed(term, tuple(sub_shape), x.dtype)
 
 
+@handles(aten.constant_pad_nd)
+def _constant_pad_nd(tr, node, x, pad, value=0):
+    """``F.pad(x, pad, value=value)``: along each dim ``pad`` names (the last dim first, a
+    (before, after) pair each), ``x`` narrowed where a pad is negative and joined between
+    blocks of ``value`` where it is positive."""
+    shape, dt = _out(node)
+    if not math.prod(shape) or not math.prod(x.shape):
+        raise Unsupported("a pad to or of an empty tensor")
+    out = x
+    for i in range(len(pad) // 2):
+        dim = len(x.shape) - 1 - i
+        before, after = pad[2 * i], pad[2 * i + 1]
+        start = max(-before, 0)
+        size = out.shape[dim] - start - max(-after, 0)
+        if size <= 0:
+            raise Unsupported("a pad that cuts a dim away")
+        if size != out.shape[dim]:
+            out = _part(tr, out, dim, start, size)
+        def block(width):
+            block_shape = tuple(width if d == dim else n for d, n in enumerate(out.shape))
+            filled = tr.mk(tr.t.Broadcast(tr.const(value, dt), tr.ivec(block_shape)), dt, block_shape)
+            return [Computed(filled, block_shape, dt)] if width > 0 else []
+        if before > 0 or after > 0:
+            out = _concat(tr, [*block(before), out, *block(after)], dim, dt)
+    return Computed(tr.cast(tr.value(out), out.dtype, dt, shape), shape, dt)
+
+
 @handles(aten.split, aten.split_with_sizes)
 def _split(tr, node, x, sizes, dim=0):
     dim = dim % len(x.shape)
