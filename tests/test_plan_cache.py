@@ -158,10 +158,12 @@ def test_a_changed_eqfuse_source_misses(cache, monkeypatch):
     assert again.report["plan_cache"]["hit"] is False and _key(again) != _key(first)
 
 
-def test_turning_split_reductions_off_misses(cache, monkeypatch):
-    """A plan built with split reductions is not one to run where they are turned off."""
+@pytest.mark.parametrize("switch", ["EQFUSE_SPLIT_REDUCTIONS", "EQFUSE_SPLIT_K", "EQFUSE_KMAJOR", "EQFUSE_PINGPONG"])
+def test_turning_a_code_switch_off_misses(cache, monkeypatch, switch):
+    """A plan built with split reductions (split-K, K-major copies, the Hopper matmul
+    templates) is not one to run where they are turned off."""
     first = eqfuse.compile(block, block_inputs())
-    monkeypatch.setenv("EQFUSE_SPLIT_REDUCTIONS", "0")
+    monkeypatch.setenv(switch, "0")
     again = eqfuse.compile(block, block_inputs())
     assert again.report["plan_cache"]["hit"] is False and _key(again) != _key(first)
 

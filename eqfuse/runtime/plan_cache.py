@@ -106,12 +106,13 @@ def _graph_parts(captured) -> tuple:
 
 def _device_parts(device: torch.device) -> tuple:
     """What plans and generated code read of the device and of torch's global settings."""
-    from ..codegen import kmajor, library, split, splitk, tma
+    from ..codegen import kmajor, library, matmul_templates, split, splitk, tma
     from ..rewrite.cost import device_model
 
     parts = [device.type, torch.backends.cuda.matmul.allow_tf32,
              os.environ.get("TRITON_INTERPRET", ""), bool(os.environ.get("EQFUSE_NO_FACTS")),
-             split.enabled(), splitk.enabled(), kmajor.enabled(), library.wanted(device.type)]
+             split.enabled(), splitk.enabled(), kmajor.enabled(), matmul_templates.offered(),
+             library.wanted(device.type)]
     if device.type == "cuda":
         parts += [torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
                   tma.sm_count(), tma.device_supports(), switched_on("EQFUSE_AUTOTUNE")]
