@@ -342,6 +342,38 @@ def test_an_unschedulable_attention_kernel_names_where_to_cut_it():
     assert _cut_points([upstream, row_max, projection], [flow]) == ["qkv", "heads", "cast", "guarded"]
 
 
+def test_two_attentions_in_one_kernel_name_where_the_second_reads_the_first():
+    """A kernel holding two layers' attention (the second's q computed from the first's
+    output), or attention whose q is normalised inside its scores: the schedule names the
+    first's output and the second's q, down to its first node of two operands, for the
+    repair to store (left to
+    choose among every value, a tiny BERT's extraction weighed about 120 values a round
+    for 24 rounds: 7.4 s, 0.8 named)."""
+    from eqfuse.codegen.attention import attention_schedule, streams
+    from eqfuse.errors import Unschedulable
+    from eqfuse.schema.plan import KernelSpec, PNode
+
+    def node(op, args=(), shape=(4, 8), name=None, attrs=()):
+        return PNode(op, attrs, tuple(args), shape, "float16", name)
+    q, k, v, w = (node("load", attrs=(n, (8, 1), 0)) for n in "qkvw")
+    first = node("expdot", (node("dot", (q, k), (4, 4), "scores1"), v), name="flow1")
+    q2 = node("reshape", (node("dot", (first, w), name="proj"),), name="q2")
+    second = node("expdot", (node("dot", (q2, k), (4, 4), "scores2"), v), name="flow2")
+    spec = KernelSpec("k0", [(second, "out")])
+    with pytest.raises(Unschedulable, match="softmax products over different scores") as caught:
+        attention_schedule(spec, streams(spec))
+    assert caught.value.store == ("flow1", "q2", "proj")
+
+    rows = node("reduce", (q,), (4, 1), "row_sum", attrs=("sum",))
+    normed = node("binary", (q, node("broadcast", (rows,), name="rows")), name="normed", attrs=("div",))
+    flow = node("expdot", (node("dot", (node("cast", (normed,), name="cast", attrs=("float16",)), k),
+                                (4, 4), "scores"), v), name="flow")
+    spec = KernelSpec("k0", [(flow, "out")])
+    with pytest.raises(Unschedulable, match="a reduce inside attention scores") as caught:
+        attention_schedule(spec, streams(spec))
+    assert caught.value.store == ("cast", "normed")
+
+
 def test_a_matmul_kernel_with_a_reduction_names_the_operand_to_store():
     """A product reading a normalised row (RMSNorm before a projection): the matmul
     schedule refuses the reduction and names, beside it, the product's operand down to

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import Unschedulable
 from ..schema import ops
-from ..schema.plan import KernelSpec, PNode, operand_cut
+from ..schema.plan import KernelSpec, PNode, chain_cut, operand_cut, reads_any
 from . import tma
 from .indexing import Env, Idx, env_of, reshape_env, strided_offset
 from .kernel import KernelWriter, Val, literal, next_pow2, operand_key
@@ -104,13 +104,14 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
 
     scores = {id(f.args[0]): f.args[0] for f in flows}
     if len(scores) != 1:
-        raise Unschedulable("softmax products over different scores in one kernel")
+        raise Unschedulable("softmax products over different scores in one kernel", store=_between_attentions(flows))
     (s,) = scores.values()
     *batch, m, n = s.shape
     inner = s.walk()
     for x in inner:
         if x.op in ("expdot", "expsum", "reduce"):
-            raise Unschedulable(f"a {x.op} inside attention scores")
+            raise Unschedulable(f"a {x.op} inside attention scores",
+                                store=_score_operands_reading(s, {id(x)}))
     dots = [x for x in inner if x.op == "dot"]
     values = [f.args[1] for f in flows if f.op == "expdot"]
     outer = [d for d in dots if not any(x is d for o in dots if o is not d for x in o.walk())]
@@ -149,6 +150,31 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
     from . import flash
     return Schedule("attention", batch=tuple(batch), m=m, n=n, k=e, d=d, dot_dtype=dtype, dots=len(values),
                     band=band, flash=flash.form(spec, band, m) if flash.device_supports() else None)
+
+
+def _between_attentions(flows: list[PNode]) -> list:
+    """Where to cut a kernel holding the softmax products of several scores (an attention
+    whose q, k or v come from another's output, two layers in one kernel): of each
+    attention, its scores' products' operands and its values where they read another's
+    softmax products. None named where no attention reads another (the repair then tries
+    every value inside). Unnamed, the repair weighed about 120 values a round for a tiny
+    BERT's 24 rounds."""
+    groups: dict[int, list[PNode]] = {}
+    for f in flows:
+        groups.setdefault(id(f.args[0]), []).append(f)
+    cuts = []
+    for own in groups.values():
+        others = {id(f) for group in groups.values() if group is not own for f in group}
+        cuts += _score_operands_reading(own[0].args[0], others)
+        cuts += [c for f in own if f.op == "expdot" and reads_any(f.args[1], others) for c in chain_cut(f.args[1])]
+    return list(dict.fromkeys(cuts))
+
+
+def _score_operands_reading(s: PNode, inner: set) -> list:
+    """The operands of the products inside scores ``s`` that read a node whose id is in
+    ``inner`` (another attention's softmax product, a normalisation's row reduction), down
+    to their first node of two operands: storing one moves that part out of the kernel."""
+    return [c for x in s.walk() if x.op == "dot" for c in operand_cut(x, inner)]
 
 
 def _cut_points(outside: list[PNode], flows: list[PNode]) -> list:

@@ -173,13 +173,25 @@ def operand_cut(node: PNode, inner: set) -> list:
     tries every value inside the kernel (code generation: a product reading a normalised
     row, attention reading its projections)."""
     for operand in node.args:
-        if any(id(n) in inner for n in operand.walk()):
-            cuts = [operand.eclass]
-            while len(operand.args) == 1:
-                operand = operand.args[0]
-                cuts.append(operand.eclass)
-            return cuts
+        if reads_any(operand, inner):
+            return chain_cut(operand)
     return []
+
+
+def reads_any(node: PNode, inner: set) -> bool:
+    """Whether ``node`` is or reads a node whose id is in ``inner``."""
+    return any(id(n) in inner for n in node.walk())
+
+
+def chain_cut(node: PNode) -> list:
+    """The e-classes of ``node`` and down its single-operand nodes (index maps, casts,
+    unary ops) to the first node of two operands: storing any of them cuts ``node`` off
+    from what it reads."""
+    cuts = [node.eclass]
+    while len(node.args) == 1:
+        node = node.args[0]
+        cuts.append(node.eclass)
+    return cuts
 
 
 def substitute(node: PNode, new: dict) -> PNode:
