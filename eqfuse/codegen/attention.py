@@ -155,8 +155,8 @@ def attention_schedule(spec: KernelSpec, flows: list[PNode]):
 def _between_attentions(flows: list[PNode]) -> list:
     """Where to cut a kernel holding the softmax products of several scores (an attention
     whose q, k or v come from another's output, two layers in one kernel): of each
-    attention, its scores' products' operands and its values where they read another's
-    softmax products. None named where no attention reads another (the repair then tries
+    attention, its scores' own products' operands and its values where they read
+    another's softmax products. None named where no attention reads another (the repair then tries
     every value inside). Unnamed, the repair weighed about 120 values a round for a tiny
     BERT's 24 rounds."""
     groups: dict[int, list[PNode]] = {}
@@ -171,10 +171,23 @@ def _between_attentions(flows: list[PNode]) -> list:
 
 
 def _score_operands_reading(s: PNode, inner: set) -> list:
-    """The operands of the products inside scores ``s`` that read a node whose id is in
-    ``inner`` (another attention's softmax product, a normalisation's row reduction), down
-    to their first node of two operands: storing one moves that part out of the kernel."""
-    return [c for x in s.walk() if x.op == "dot" for c in operand_cut(x, inner)]
+    """The operands of the scores' own products (``q @ k^T``, not the products that made
+    q and k) that read a node whose id is in ``inner`` (another attention's softmax
+    product, a normalisation's row reduction), down to their first node of two operands:
+    storing one moves that part out of the kernel. (Naming every product below the
+    scores named 123 values a round for a tiny 8-layer BERT, whose last layer's scores
+    reach back through every layer.)"""
+    products, seen, stack = [], set(), [s]
+    while stack:  # depth first from the scores, stopping at products
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.op == "dot":
+            products.append(x)
+        else:
+            stack.extend(reversed(x.args))
+    return [c for x in products for c in operand_cut(x, inner)]
 
 
 def _cut_points(outside: list[PNode], flows: list[PNode]) -> list:
