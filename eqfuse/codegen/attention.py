@@ -156,9 +156,9 @@ def _between_attentions(flows: list[PNode]) -> list:
     """Where to cut a kernel holding the softmax products of several scores (an attention
     whose q, k or v come from another's output, two layers in one kernel): of each
     attention, its scores' own products' operands and its values where they read
-    another's softmax products. None named where no attention reads another (the repair then tries
-    every value inside). Unnamed, the repair weighed about 120 values a round for a tiny
-    BERT's 24 rounds."""
+    another's softmax products. None named where no attention reads another (the repair
+    then tries every value inside). Unnamed, the repair weighed about 120 values a round
+    for a tiny BERT's 24 rounds."""
     groups: dict[int, list[PNode]] = {}
     for f in flows:
         groups.setdefault(id(f.args[0]), []).append(f)

@@ -34,8 +34,8 @@ dim, the power of two at or above D: where D is less (96, say), TMA fills the co
 past D with zeros as it loads (nothing added to a score, a zero column of the output)
 and leaves them out as it stores; k stored transposed then has D rows a head, so its
 persistent form, whose boxes would reach into the next head, needs D = DP. The kernel
-makes its TMA descriptors on the device (Triton's global scratch): per program for its head, or once per persistent
-program over collapsed operands. The sizes and strides are constexprs: the kernel is
+makes its TMA descriptors on the device (Triton's global scratch): per program for its
+head, or once per persistent program over collapsed operands. The sizes and strides are constexprs: the kernel is
 compiled for one shape, as eqfuse's generated kernels are.
 """
 

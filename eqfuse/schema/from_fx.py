@@ -127,6 +127,13 @@ class Translator:
             vec = self._ivecs[key] = self.egraph.let(f"vec_{len(self._ivecs)}", self.t.ivec(key))
         return vec
 
+    def literal(self, entry):
+        """The value of ``entry`` where it is a 0-dim literal of the code (on the CPU, beside
+        tensors of any device), else None."""
+        if isinstance(entry, BufferView) and not entry.shape:
+            return self.literals.get(entry.buf)
+        return None
+
     # --- term construction -------------------------------------------------------------------
     def mk(self, term, dtype: str, shape):
         """Record the dtype and shape analyses of a new term."""
@@ -683,10 +690,11 @@ def _clamp(tr, node, x, lo=None, hi=None, **kw):
 @handles(aten._to_copy, prims.convert_element_type, aten.to)
 def _to_copy(tr, node, x, *args, **kw):
     shape, dt = _out(node)
-    if isinstance(x, BufferView) and not x.shape and x.buf in tr.literals:
+    literal = tr.literal(x)
+    if literal is not None:
         # A literal of the code moved to the device (a sliding-window cache's window size,
         # made on the CPU): its value in the new dtype, which no kernel then reads from the CPU
-        value = torch.tensor(tr.literals[x.buf], dtype=ops.DTYPES[x.dtype]).to(ops.DTYPES[dt]).item()
+        value = torch.tensor(literal, dtype=ops.DTYPES[x.dtype]).to(ops.DTYPES[dt]).item()
         return Computed(tr.operand(value, shape, dt), shape, dt)
     m = _meta(node)
     if isinstance(x, (BufferView, Computed)) and str(m.device) != str(_meta(node.args[0]).device):
@@ -699,8 +707,8 @@ def _copy_into(tr, node, dst, src, non_blocking=False):
     """``aten.copy(dst, src)``, a functionalised ``dst.copy_(src)`` (T5 shifting its labels
     right): ``src``'s values broadcast to ``dst``'s shape, in ``dst``'s dtype."""
     shape, dt = _out(node)
-    if isinstance(src, BufferView) and not src.shape and src.buf in tr.literals:
-        src = tr.literals[src.buf]  # a literal of the code, on the CPU: its value (T5's start token)
+    if tr.literal(src) is not None:
+        src = tr.literal(src)  # a literal of the code, on the CPU: its value (T5's start token)
     if isinstance(src, (BufferView, Computed)) and str(_meta(node.args[1]).device) != str(_meta(node).device):
         raise Unsupported("a copy between devices")
     v = tr.operand(src, shape, dt)
@@ -730,10 +738,7 @@ def _full(tr, node, *args, **kw):
     value = {aten.full: lambda: args[1], aten.scalar_tensor: lambda: args[0],
              aten.full_like: lambda: args[1], aten.zeros_like: lambda: 0,
              aten.ones_like: lambda: 1}[pk]()
-    v = tr.const(value, dt)
-    if shape:
-        v = tr.mk(tr.t.Broadcast(v, tr.ivec(shape)), dt, shape)
-    return Computed(v, shape, dt)
+    return _filled(tr, value, shape, dt)
 
 
 @handles(aten.arange)
@@ -988,13 +993,18 @@ def _constant_pad_nd(tr, node, x, pad, value=0):
             raise Unsupported("a pad that cuts a dim away")
         if size != out.shape[dim]:
             out = _part(tr, out, dim, start, size)
-        def block(width):
-            block_shape = tuple(width if d == dim else n for d, n in enumerate(out.shape))
-            filled = tr.mk(tr.t.Broadcast(tr.const(value, dt), tr.ivec(block_shape)), dt, block_shape)
-            return [Computed(filled, block_shape, dt)] if width > 0 else []
         if before > 0 or after > 0:
-            out = _concat(tr, [*block(before), out, *block(after)], dim, dt)
+            blocks = [_filled(tr, value, tuple(w if d == dim else n for d, n in enumerate(out.shape)), dt)
+                      for w in (before, after)]
+            parts = [blocks[0]] * (before > 0) + [out] + [blocks[1]] * (after > 0)
+            out = _concat(tr, parts, dim, dt)
     return Computed(tr.cast(tr.value(out), out.dtype, dt, shape), shape, dt)
+
+
+def _filled(tr, value, shape, dt: str) -> Computed:
+    """``value`` broadcast to ``shape``, in ``dt``."""
+    v = tr.const(value, dt)
+    return Computed(tr.mk(tr.t.Broadcast(v, tr.ivec(shape)), dt, shape) if shape else v, shape, dt)
 
 
 @handles(aten.split, aten.split_with_sizes)
