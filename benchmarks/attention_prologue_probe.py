@@ -35,9 +35,9 @@ def scaled_q_attention(q, k, v, w):
 
 def build(fn, inputs, slowdown: float, portable: bool = False):
     """eqfuse's untuned build of ``fn``, extracted with the portable kernel costed at
-    ``slowdown``; ``portable``: its attention kernel as the portable kernel."""
+    ``slowdown`` at every tile width; ``portable``: its attention kernel as the portable kernel."""
     before = cost.PORTABLE_ATTENTION_SLOWDOWN
-    cost.PORTABLE_ATTENTION_SLOWDOWN = slowdown
+    cost.PORTABLE_ATTENTION_SLOWDOWN = dict.fromkeys(before, slowdown)
     try:
         if portable:
             from eqfuse.codegen import flash

@@ -11,7 +11,7 @@ at either depth. At D=64 the portable kernel stays ahead.
     python benchmarks/flash_hopper_probe.py [--out probe.json] [--quick]
 
 First checks the Gluon kernel's values against SDPA at ragged sizes (17, 100, 300 rows),
-causal and not, head dims 64 and 128, fp16 and bf16, on contiguous ``[B, H, S, D]`` and on
+causal and not, head dims 64, 96, 128, 192 and 256, fp16 and bf16, on contiguous ``[B, H, S, D]`` and on
 ``[B, S, H, D]`` transposed (a projection's layout); then times, per benchmark case, SDPA,
 eqfuse's compiled plain function (the portable kernel, autotuned) and the Gluon kernel
 at a few tile configurations, in interleaved rounds (benchmarks/common.py).
@@ -40,6 +40,8 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, STAGES, persistent)
     (128, 128, 2, False),
     (128, 64, 3, False),
     (128, 128, 2, True),
+    (128, 64, 2, False),  # head dim 256: q 64 KiB, K and V 2 x 32 KiB each
+    (128, 32, 3, False),
 ]
 
 
@@ -82,6 +84,8 @@ CHECKS = [  # (dtype, d, s, causal, layout, cfg index)
     *[("bfloat16", 96, s, c, "bhsd", 3) for s in (128, 384) for c in (False, True)],
     *[(dt, d, s, c, "bhsd", 3) for dt in ("float16", "bfloat16") for d in (64, 128) for s in (128, 384)
       for c in (False, True)],
+    *[(dt, d, s, c, layout, i) for dt in ("float16", "bfloat16") for d in (192, 256) for s in (17, 300)
+      for c in (False, True) for layout in ("bhsd", "bshd") for i in (4, 5)],
 ]
 
 

@@ -111,6 +111,7 @@ def test_no_flash_candidate_without_a_hopper_gpu():
 
 PER_PROGRAM = {"FLASH": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
 PERSISTENT = {**PER_PROGRAM, "FLASH": 2, "num_stages": 2}
+PER_PROGRAM_256 = {**PER_PROGRAM, "BLOCK_N": 64, "num_stages": 2}  # head dims 129 to 256
 
 
 def flash_module(monkeypatch, name, cfg=PER_PROGRAM, **kw):
@@ -184,6 +185,22 @@ def test_an_untuned_build_runs_the_template_in_tiles_128_wide_only(monkeypatch):
         assert default_config(sched) == attention.candidates(sched)[0]
 
 
+def test_head_dims_to_256_run_in_tiles_256_wide_and_keys_64_at_a_time(monkeypatch):
+    """At head dims 129 to 256 the template has one configuration (a program per query
+    block, key tiles of 64 rows, two ring slots: q and the K and V rings take 192 KiB of
+    shared memory), the untuned build's first; past 256, no form."""
+    from eqfuse.codegen import attention
+    for d in (192, 256):
+        _, k, _ = kernel_of("causal_attention", seq=17, d=d)
+        candidates = attention.candidates(hopper_schedule(monkeypatch, k))
+        assert candidates[0] == PER_PROGRAM_256
+        assert sum("FLASH" in c for c in candidates) == 1
+    _, info, _, _ = flash_module(monkeypatch, "causal_attention", PER_PROGRAM_256, seq=17, d=192)
+    assert (info.constexprs["D"], info.constexprs["DP"], info.constexprs["BLOCK_N"]) == (192, 256, 64)
+    _, k, _ = kernel_of("attention", seq=17, d=272)
+    assert flash.form(k.spec, k.schedule.band, k.schedule.m) is None
+
+
 def test_the_module_launches_the_template_with_the_portable_kernel_for_unaligned_addresses(monkeypatch):
     compiled, info, source, _ = flash_module(monkeypatch, "causal_attention", heads=3, seq=100, d=128)
     assert f"from eqfuse.codegen.flash_hopper import flash_attention_hopper as {info.name}" in source
@@ -223,7 +240,9 @@ CASES = [(PER_PROGRAM, 128, seq, layout) for seq in (1, 17, 100, 300) for layout
     [(PERSISTENT, d, seq, layout) for d in (64, 128) for seq in (128, 384) for layout in ("bhsd", "kt")] + \
     [(PER_PROGRAM, 96, seq, layout) for seq in (17, 300) for layout in ("bhsd", "bshd")] + \
     [(PER_PROGRAM, 96, seq, "kt") for seq in (24, 104)] + \
-    [(PERSISTENT, 96, 384, "bhsd")]
+    [(PERSISTENT, 96, 384, "bhsd")] + \
+    [(PER_PROGRAM_256, d, seq, layout) for d in (192, 256) for seq in (17, 300) for layout in ("bhsd", "bshd")] + \
+    [(PER_PROGRAM_256, 256, 104, "kt")]
 
 
 @pytest.mark.gpu
@@ -253,13 +272,15 @@ from eqfuse.runtime.compile_worker import ast_source
 
 fn = flash_hopper.flash_attention_hopper
 out = []
-for programs, causal, stages, kt, group, d in ((0, True, 3, False, 1, 128), (132, False, 2, False, 1, 128),
-                                              (132, True, 2, True, 1, 128), (0, True, 3, False, 4, 128),
-                                              (132, True, 2, False, 2, 128), (0, True, 3, True, 1, 96),
-                                              (132, True, 2, False, 1, 96)):
+for programs, causal, stages, kt, group, d, dp, block_n in (
+        (0, True, 3, False, 1, 128, 128, 128), (132, False, 2, False, 1, 128, 128, 128),
+        (132, True, 2, True, 1, 128, 128, 128), (0, True, 3, False, 4, 128, 128, 128),
+        (132, True, 2, False, 2, 128, 128, 128), (0, True, 3, True, 1, 96, 128, 128),
+        (132, True, 2, False, 1, 96, 128, 128), (0, True, 2, False, 2, 256, 256, 64),
+        (0, False, 2, True, 1, 192, 256, 64)):
     sig = {p: "*fp16" if p.endswith("_ptr") else "constexpr" for p in fn.arg_names}
-    cx = dict(H=4, M=512, N=512, D=d, DP=128, OQ=0, OK=0, OV=0, OO=0, SCALE=0.1, CAUSAL=causal, BAND_HI=0,
-              BLOCK_M=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=8,
+    cx = dict(H=4, M=512, N=512, D=d, DP=dp, OQ=0, OK=0, OV=0, OO=0, SCALE=0.1, CAUSAL=causal, BAND_HI=0,
+              BLOCK_M=128, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=flash_hopper.CONSUMER_REGS, BH=8,
               PROGRAMS=programs, CHUNK=4, KT=kt, GROUP=group)
     for t, rows in (("Q", "M"), ("K", "N"), ("V", "N"), ("O", "M")):
         cx.update({f"S{t}B": 4 * 512 * d, f"S{t}H": 512 * d, f"S{t}{rows}": d})
@@ -275,7 +296,8 @@ print(json.dumps(out))
 
 def test_the_template_compiles_for_sm90_without_a_gpu():
     """Triton's compiler and its bundled ptxas need no GPU: both forms build for Hopper
-    (with k and v shared by groups of heads too, and at a head dim of 96 in tiles of 128),
+    (with k and v shared by groups of heads too, at a head dim of 96 in tiles of 128, and at 192
+    and 256 in tiles of 256 with keys 64 at a time),
     with their products on wgmma, registers handed from the loader to the consumers, and
     shared memory under the H100's 227 KB (in a child process: one that interprets Triton
     kernels cannot compile them)."""
@@ -355,8 +377,9 @@ def test_index_maps_over_a_load_are_read_as_the_view_torch_makes():
     assert access.strided_view(wide) is None  # a reshape no view of those strides can make
 
 
-def test_on_hopper_a_prologue_on_q_leaves_the_attention_kernel_for_the_template(monkeypatch):
-    """At head dim 128 the portable kernel is costed at its measured rate where the
+@pytest.mark.parametrize("d", [128, 256])
+def test_on_hopper_a_prologue_on_q_leaves_the_attention_kernel_for_the_template(monkeypatch, d):
+    """At head dims 128 and 256 the portable kernel is costed at its measured rate where the
     template runs (rewrite/cost.py): at Llama's sizes, q's pointwise prologue becomes a
     kernel of its own and the attention runs as the template; without a Hopper GPU the
     prologue stays fused. Extraction only: nothing runs."""
@@ -368,8 +391,8 @@ def test_on_hopper_a_prologue_on_q_leaves_the_attention_kernel_for_the_template(
     def scaled_q_attention(q, k, v, w):
         return causal(q * w, k, v)
 
-    inputs = [torch.empty(4, 32, 2048, 128, dtype=torch.float16) for _ in range(3)] + \
-        [torch.empty(128, dtype=torch.float16)]
+    inputs = [torch.empty(4, 32, 2048, d, dtype=torch.float16) for _ in range(3)] + \
+        [torch.empty(d, dtype=torch.float16)]
     monkeypatch.setattr(tma, "sm_count", lambda: 132)
     plans = {}
     for hopper in (False, True):

@@ -602,7 +602,7 @@ def candidates(sched) -> list[dict]:
         if cfg not in out:
             out.append(cfg)
     template = flash.candidates(sched)
-    return template + out if flash.padded(sched.d) == 128 else out + template
+    return template + out if flash.padded(sched.d) in (128, 256) else out + template
 
 
 def runnable(cfg: dict) -> bool:

@@ -14,7 +14,7 @@ q's heads in a row (grouped-query attention). Anything else (a bias, a padding m
 log-sum-exp output, a prologue on an operand) keeps the portable kernel.
 
 The template is one autotuning candidate among the portable kernel's, offered on Hopper
-(compute capability 9.0, compiled) at the head dims where it was measured to win.
+(compute capability 9.0, compiled) at head dims 16 to 256.
 """
 
 from __future__ import annotations
@@ -35,8 +35,13 @@ from . import access
 # (benchmarks/flash_hopper_probe.py, S=2048 fp16): at D=128 one program per block ran
 # 536-557 us, persistent 494, the portable kernel 637, SDPA 516 (causal: 349-369, 289,
 # 373, 313); at D=64 one program per block lost to the portable kernel (405-449 against
-# 336 us), persistent tied it (337; causal 189 against 200).
-TILES = [(2, (64, 128), 128, 128, 2), (1, (128,), 128, 128, 3), (1, (128,), 128, 128, 2)]
+# 336 us), persistent tied it (337; causal 189 against 200). At head dims 129 to 256 (tiles
+# 256 wide: q's 64 KiB and two slots of K and V at 64 keys fill 192 KiB of shared memory),
+# B=4 H=8 bf16: S=1024 causal 75 us against SDPA's 57 (in Gemma-2's plan 57, where the
+# portable kernel had taken 620-660), full 67 against 62, S=2048 causal 157 against 147;
+# keys 32 at a time in 3 slots ran 78, 84 and 203.
+TILES = [(2, (64, 128), 128, 128, 2), (1, (128,), 128, 128, 3), (1, (128,), 128, 128, 2),
+         (1, (256,), 128, 64, 2)]
 ALIGN = 16  # bytes: TMA base addresses and strides
 L2_SHARE = 0.5  # of the L2 cache: the K and V of the heads a persistent program set runs at once
 
@@ -149,7 +154,7 @@ def form(spec: KernelSpec, band, m: int) -> Form | None:
     if None in (q, kt, v) or out in (q.buf, kt.buf, v.buf) or q.group != 1 or kt.group != v.group:
         return None
     d, e = expdot.args[1].shape[-1], x.args[0].shape[-1]
-    if d != e or d % 16 or not 16 <= d <= 128 or len(root.shape) > 4:
+    if d != e or d % 16 or not 16 <= d <= 256 or len(root.shape) > 4:
         return None
     if x.args[0].dtype not in ("float16", "bfloat16") or len({x.args[0].dtype, x.args[1].dtype, root.dtype}) != 1:
         return None

@@ -15,7 +15,9 @@ two consumers of 64 rows each run unsynchronised, fed by a loader warp through r
 ``STAGES`` K and V slots. Persistent programs (PROGRAMS > 0) walk many query blocks each,
 so that one block's epilogue and the next one's first loads overlap. Measured on an H200
 (benchmarks/attention.py, B=4, H=32): 0.98-1.04x SDPA's time at head dim 128, where the
-portable kernel took 1.29-1.31x at S=2048 (codegen/flash.py has the probe's figures).
+portable kernel took 1.29-1.31x at S=2048; at head dim 256 (keys 64 at a time, so that
+q and two K and V slots fit the shared memory) 1.07-1.3x (codegen/flash.py has the
+probe's figures).
 This module imports only Triton: the compile pool's workers load it from its file.
 
 What it computes, per batch entry ``b``, head ``h`` and query row ``i``:

@@ -118,17 +118,21 @@ OPERAND_TILE = 128  # a matmul operand is computed once per output tile it meets
 # (a prologue such as q's rotary embedding) is costed at the portable kernel's rate, so
 # that extraction weighs a kernel of its own for the prologue against it; at 1.3 (the
 # autotuned ratio at 128) a head dim of 96 kept q's rotary embedding in the portable
-# kernel. At head dim 64 the two ran within 8% of each other: not weighed.
-PORTABLE_ATTENTION_SLOWDOWN = 2.0
+# kernel. At head dim 256 (Gemma-2: B=4, 8 heads, S=1024, causal, bf16) the portable
+# kernel with q's rotary embedding as its prologue took 620-660 us, the template 57 and
+# the rotary embedding's own kernel less than 40; at 1 extraction kept the prologue (4 is
+# enough to part them, and stays under the measured ratio for kernels the template beats less).
+# At head dim 64 the two ran within 8% of each other: not weighed.
+PORTABLE_ATTENTION_SLOWDOWN = {128: 2.0, 256: 4.0}  # by the template's tile width (flash.padded)
 
 
 def attention_slowdown(sched) -> float:
     """How much slower than the tensor cores' rate an attention kernel's products run:
-    PORTABLE_ATTENTION_SLOWDOWN for a kernel the flash template would run in tiles 128
-    wide, on a device where it runs others but cannot run this one, else 1."""
+    PORTABLE_ATTENTION_SLOWDOWN for a kernel the flash template would run in tiles 128 or
+    256 wide, on a device where it runs others but cannot run this one, else 1."""
     from ..codegen import flash
-    if sched.flash is None and sched.k == sched.d and flash.padded(sched.d) == 128 and flash.device_supports():
-        return PORTABLE_ATTENTION_SLOWDOWN
+    if sched.flash is None and sched.k == sched.d and flash.device_supports():
+        return PORTABLE_ATTENTION_SLOWDOWN.get(flash.padded(sched.d), 1.0)
     return 1.0
 
 
