@@ -223,10 +223,10 @@ def _extract(captured, options, seconds: dict):
     from .schema.from_fx import translate
 
     t0 = time.perf_counter()
-    tr = translate(captured)
+    tr = translate(captured, emulate_precision_casts=options.emulate_precision_casts)
     seconds["translate"] = time.perf_counter() - t0
     limits = Limits(max_enodes=options.max_enodes, max_seconds=options.max_seconds)
-    sat = saturate(tr.egraph, limits, enabled=options.rules)
+    sat = saturate(tr.egraph, limits, enabled=options.rules, rounding_kept=options.emulate_precision_casts)
     seconds["saturate"] = sat.seconds
     t0 = time.perf_counter()
     try:

@@ -137,6 +137,7 @@ def test_a_changed_shape_dtype_or_option_misses(cache):
         eqfuse.compile(block, block_inputs(), max_enodes=40_000),
         eqfuse.compile(block, block_inputs(), rules=("algebra", "fusion")),
         eqfuse.compile(block, block_inputs(), validate=False),
+        eqfuse.compile(block, block_inputs(), emulate_precision_casts=True),
     ]
     keys = {_key(base)}
     for c in others:

@@ -597,9 +597,9 @@ class KernelWriter:
             return a  # narrow floats are computed in float32 already
         if dst == "bool":
             return self.assign(f"({a.expr} != 0)", a.axes)
-        if dst in ops.NARROW_FLOATS:
-            if not a.axes:
-                return Val(f"{a.expr}", a.axes)
+        if dst in ops.NARROW_FLOATS:  # rounded, and computed on in float32
+            if not a.axes:  # a scalar: a literal (tl.cast makes it a tensor) or one element read
+                return self.assign(f"tl.cast(tl.cast({a.expr}, {ops.TRITON_DTYPES[dst]}), tl.float32)", a.axes)
             return self.assign(f"{a.expr}.to({ops.TRITON_DTYPES[dst]}).to(tl.float32)", a.axes)
         if not a.axes:
             return Val(f"{a.expr}", a.axes) if ops.is_float(dst) else Val(f"int({a.expr})", a.axes)

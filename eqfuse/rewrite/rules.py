@@ -285,7 +285,8 @@ class EgglogBuilder:
         return ExpSum(s)
 
 
-def _softmax_rules() -> list:
+def _softmax_rules(rounding_kept: bool = False) -> list:
+    """SOFTMAX's rules (those marked ``exact`` only, where ``rounding_kept``)."""
     from egglog import Vec, eq, i64, rule, union, var
 
     from ..schema.terms import Value, vdtype, vshape
@@ -293,7 +294,7 @@ def _softmax_rules() -> list:
     rules = []
     # Each rule twice: with its broadcasts, and for rows of length 1 without them (the
     # translator broadcasts only what changes shape).
-    for r, bare in [(r, bare) for r in SOFTMAX for bare in (False, True)]:
+    for r, bare in [(r, bare) for r in SOFTMAX if r.exact or not rounding_kept for bare in (False, True)]:
         k = EgglogBuilder(bare_broadcasts=bare)
         s, v, row, root = var("s", Value), var("v", Value), var("r", Value), var("root", Value)
         lhs, rhs = r.pattern(k, s, v, row)
@@ -349,7 +350,7 @@ def _concat_rules() -> list:
     return [reshape_cat, dot_split]
 
 
-def _algebra_ruleset():
+def _algebra_ruleset(rounding_kept: bool = False):
     from egglog import eq, i64, rule, ruleset, union, var
 
     from ..schema.terms import Cast, Value, dtype_code, vdtype
@@ -368,11 +369,11 @@ def _algebra_ruleset():
         root = var("root", Value)
         rules.append(rule(eq(root).to(lhs), name=r.name).then(union(root).with_(rhs)))
 
-    rules += _softmax_rules()
+    rules += _softmax_rules(rounding_kept)
     rules += _concat_rules()
 
     x, root, d = var("x", Value), var("root", Value), var("d", i64)
-    for narrow, wide in CAST_ROUNDTRIPS:
+    for narrow, wide in () if rounding_kept else CAST_ROUNDTRIPS:
         n, w = dtype_code(narrow), dtype_code(wide)
         rules.append(rule(eq(root).to(Cast(Cast(x, w), n)), eq(vdtype(x)).to(i64(n)),
                           name=f"cast-{narrow}-{wide}-{narrow}").then(union(root).with_(x)))
@@ -430,12 +431,16 @@ def _views_ruleset():
 RULESET_NAMES = ("algebra", "fusion", "views")
 
 
-def rulesets():
+def rulesets(rounding_kept: bool = False):
     """The rulesets (by the names in RULESET_NAMES), built anew for each e-graph.
+    ``rounding_kept`` (the option ``emulate_precision_casts``): without the rules whose
+    right side skips a rounding to a narrow float that the left side makes (the softmax
+    rules marked ``exact=False``, and a narrow value's round trip through a wider float,
+    which under the option is how a half-precision op's result is rounded).
 
     Cheap to build, and a ruleset object is then never shared between e-graphs.
     """
-    return {"algebra": _algebra_ruleset(), "fusion": _fusion_ruleset(), "views": _views_ruleset()}
+    return {"algebra": _algebra_ruleset(rounding_kept), "fusion": _fusion_ruleset(), "views": _views_ruleset()}
 
 
 def catalogue() -> list[tuple[str, str, str]]:

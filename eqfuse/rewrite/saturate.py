@@ -44,11 +44,14 @@ def count_enodes(egraph) -> int:
     return sum(n for _, n in egraph.all_function_sizes())
 
 
-def saturate(egraph, limits: Limits | None = None, enabled=("algebra", "views", "fusion")) -> SaturationReport:
+def saturate(egraph, limits: Limits | None = None, enabled=("algebra", "views", "fusion"),
+             rounding_kept: bool = False) -> SaturationReport:
+    """Run the ``enabled`` rulesets within ``limits``; ``rounding_kept``: without the rules
+    that drop a rounding to a narrow float (``rules.rulesets``)."""
     from .rules import rulesets
 
     limits = limits or Limits()
-    rs = rulesets()
+    rs = rulesets(rounding_kept)
     report = SaturationReport()
     start = time.perf_counter()
 

@@ -61,6 +61,10 @@ class Options:
     # a product with nothing fused around it runs as a cuBLAS call, not a generated kernel
     # (GPU only; codegen/library.py; EQFUSE_CUBLAS=0 turns it off)
     cublas: bool = True
+    # round every half-precision op's result to its dtype, as eager does, instead of keeping
+    # it in float32 until a store or a cast (Inductor's option of the same name): rules that
+    # skip a rounding (the softmax forms flash attention streams) are off under it
+    emulate_precision_casts: bool = False
 
     def __post_init__(self):
         """Options of the wrong kind are named here, not met deep inside a compile."""
@@ -70,7 +74,8 @@ class Options:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise EqfuseError(f"option {name}={value!r}: expected a positive number")
-        for name in ("autotune", "validate", "cuda_graphs", "parallel_compile", "plan_cache", "cublas"):
+        for name in ("autotune", "validate", "cuda_graphs", "parallel_compile", "plan_cache", "cublas",
+                     "emulate_precision_casts"):
             if not isinstance(getattr(self, name), bool):
                 raise EqfuseError(f"option {name}={getattr(self, name)!r}: expected True or False")
         rules = (self.rules,) if isinstance(self.rules, str) else self.rules

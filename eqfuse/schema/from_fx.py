@@ -94,7 +94,7 @@ def _meta(node):
 
 
 class Translator:
-    def __init__(self, captured):
+    def __init__(self, captured, emulate_precision_casts: bool = False):
         from egglog import EGraph
 
         from . import terms
@@ -110,6 +110,7 @@ class Translator:
         self.input_storages: dict = {}  # input buffer name -> its storage in the trace (for aliasing)
         self.literals: dict = {}  # input buffer name -> value, for 0-dim literals (CapturedGraph.literals)
         self._ivecs: dict[tuple, Any] = {}
+        self.emulate_precision_casts = emulate_precision_casts
 
     def ivec(self, values):
         """``terms.ivec(values)``, made once per distinct vector: building an egglog term
@@ -160,6 +161,13 @@ class Translator:
 
     def cast(self, term, src: str, dst: str, shape):
         return term if src == dst else self.mk(self.t.Cast(term, self.t.dtype_code(dst)), dst, shape)
+
+    def rounded(self, entry: Computed) -> Computed:
+        """``entry`` (a narrow float) rounded to its dtype, as eager stores an op's result:
+        a narrow value is computed in float32 until a store or a cast to a narrow dtype,
+        and a round trip through float32 is that cast (rules.rulesets keeps it)."""
+        wide = self.cast(entry.term, entry.dtype, "float32", entry.shape)
+        return Computed(self.cast(wide, "float32", entry.dtype, entry.shape), entry.shape, entry.dtype)
 
     def operand(self, arg, shape, dtype: str):
         """An op's argument as a Value of ``dtype``, broadcast to ``shape``."""
@@ -232,6 +240,8 @@ class Translator:
             self._fallback(node, str(e))
             return
         if isinstance(entry, Computed):
+            if self.emulate_precision_casts and entry.dtype in ops.NARROW_FLOATS and handler not in MOVES:
+                entry = self.rounded(entry)
             # Materialise as its own kernel; consumers read it through Load(Kernel(v)).
             # Later terms name v by its let-binding: spelled out, every term would carry
             # the whole graph above it, and registering them grows with the square of it.
@@ -553,8 +563,10 @@ def step_op(target) -> str:
     return getattr(packet, "__name__", None) or _op_name(target)
 
 
-def translate(captured) -> Translation:
-    return Translator(captured).run()
+def translate(captured, emulate_precision_casts: bool = False) -> Translation:
+    """The graph's terms in a new e-graph; with ``emulate_precision_casts``, each op's
+    narrow float result rounded to its dtype (``Translator.rounded``)."""
+    return Translator(captured, emulate_precision_casts).run()
 
 
 # --- op handlers -----------------------------------------------------------------------------
@@ -1191,3 +1203,9 @@ def _scatter(tr, node, base, dim, index, src, reduce=None):
     value = tr.operand(src, shape, dt)
     return Computed(tr.mk(tr.t.Where(_is_index(tr, base, index, dim), value, tr.operand(base, shape, dt)), dt, shape),
                     shape, dt)
+
+
+# Handlers that only move values (views, copies, concatenations): under
+# emulate_precision_casts their results need no rounding, their operands having had theirs,
+# and a rounding left out keeps the views rules free to compose them.
+MOVES = frozenset({_reshape, _expand, _broadcast_in_dim, _permute, _slice, _select, _cat, _identity, _copy})
