@@ -24,11 +24,12 @@ from .runtime.compiled import CompiledGraph, Options
 def compile(fn, example_inputs, **options) -> CompiledGraph:
     """Compile ``fn`` (a function or nn.Module) for ``example_inputs``.
 
-    Options: ``max_enodes``, ``max_seconds`` (saturation limits), ``rules`` (rulesets to
-    run), ``autotune`` (time block-size candidates on the GPU), ``validate`` (check the
-    extracted plan against the graph on the example inputs; on by default), ``cublas``
-    (plain products as cuBLAS calls on a GPU; on by default), and the others of
-    ``eqfuse.Options``.
+    Options: ``max_enodes`` (the e-graph's size limit), ``max_seconds`` (the plan search's
+    budget: past it the best plan found so far is used), ``rules`` (rulesets to run),
+    ``autotune`` (time block-size candidates on the GPU), ``validate`` (check the extracted
+    plan against the graph on the example inputs; on by default), ``cublas`` (plain
+    products as cuBLAS calls on a GPU; on by default), ``emulate_precision_casts`` (round
+    each half-precision result as eager does), and the others of ``eqfuse.Options``.
     """
     return CompiledGraph(fn, example_inputs, Options.make(**options))
 

@@ -179,6 +179,8 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     if problem:
         return eager(problem)
     result["report"].update(saturation=sat.as_dict(), extraction=ext_report)
+    if ext_report.get("budget_spent"):
+        key = None  # a plan cut short is not kept: the next compile searches again
     result["report"]["saturation"]["eclasses"] = sat.eclasses
     if started is not None:
         plan, source, infos, module, pending, configs = started
@@ -194,7 +196,8 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         from .runtime.autotune import NoRunnableConfig, choose_configs
         try:
             configs = choose_configs(plan, infos, title, VERSION, example_inputs, captured.constants,
-                                     measure=options.autotune, parallel=parallel, stats=tuning)
+                                     measure=options.autotune and not ext_report.get("budget_spent"),
+                                     parallel=parallel, stats=tuning)
         except NoRunnableConfig as e:
             return eager(str(e))
         source, infos = generate_module(plan, title, VERSION, configs)
@@ -223,16 +226,17 @@ def _extract(captured, options, seconds: dict):
     from .schema.from_fx import translate
 
     t0 = time.perf_counter()
+    deadline = t0 + options.max_seconds - sum(seconds.values())  # the budget counts capture too
     tr = translate(captured, emulate_precision_casts=options.emulate_precision_casts)
     seconds["translate"] = time.perf_counter() - t0
-    limits = Limits(max_enodes=options.max_enodes, max_seconds=options.max_seconds)
+    limits = Limits(max_enodes=options.max_enodes, max_seconds=max(0.0, deadline - time.perf_counter()))
     sat = saturate(tr.egraph, limits, enabled=options.rules, rounding_kept=options.emulate_precision_casts)
     seconds["saturate"] = sat.seconds
     t0 = time.perf_counter()
     try:
         view = serialize(tr.egraph)
         sat.enodes, sat.eclasses = view.size()
-        plan, ext_report = Extractor(view, tr).extract()
+        plan, ext_report = Extractor(view, tr).extract(deadline)
     finally:
         # Dropped here, on the thread that made it: egglog's e-graph may only be freed on
         # its own thread, and the translation sits in reference cycles that the garbage

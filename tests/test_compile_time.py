@@ -1,5 +1,8 @@
-"""Compile-time shortcuts that must not change what is compiled: the translator's shared
-shape vectors and capture's decomposition table built once."""
+"""Compile-time shortcuts that must not change what is compiled (the translator's shared
+shape vectors, capture's decomposition table built once), and the plan search's budget."""
+
+import math
+from types import SimpleNamespace
 
 import torch
 
@@ -49,3 +52,42 @@ def test_decomposition_table_is_built_once_and_handed_out_fresh(monkeypatch):
     a.clear()
     assert capture_module.decomposition_table() == b
     assert torch.ops.aten.gelu.default in b  # eqfuse's own additions are in it
+
+
+def chain(x, n=40):
+    """A chain of pointwise ops: one kernel, once extraction has weighed its fusions."""
+    for i in range(n):
+        x = x * 1.0001 + 0.001 if i % 2 else torch.sin(x)
+    return x
+
+
+def test_past_the_budget_the_search_stops_and_the_plan_it_has_runs(tmp_path, monkeypatch):
+    """max_seconds covers the plan search: spent before translation, saturation stops at
+    once and extraction keeps the plan it starts from (every value stored), which the plan
+    cache does not keep."""
+    from eqfuse.runtime import plan_cache
+
+    monkeypatch.setenv("EQFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(plan_cache.ENV_SWITCH, "1")
+    x = torch.randn(64)
+    c = eqfuse.compile(chain, (x,), max_seconds=1e-6)
+    assert c.report["extraction"]["budget_spent"] and "time budget (max_seconds) ran out" in c.explain()
+    assert len(c.kernels) > 1 and not c.fallbacks
+    torch.testing.assert_close(c(x), chain(x))
+    again = eqfuse.compile(chain, (x,), max_seconds=1e-6)
+    assert again.report["plan_cache"]["hit"] is False
+    full = eqfuse.compile(chain, (x,))
+    assert len(full.kernels) == 1 and "budget_spent" not in full.report["extraction"]
+    assert eqfuse.compile(chain, (x,)).report["plan_cache"]["hit"] is True
+
+
+def test_extraction_past_its_deadline_weighs_no_more_fusions(monkeypatch):
+    """The clock read past the deadline from extraction's first step: the plan is the one
+    it starts from (each value computed where it is read), reported as such."""
+    from eqfuse.rewrite import extract
+
+    monkeypatch.setattr(extract, "time", SimpleNamespace(perf_counter=lambda: math.inf))
+    x = torch.randn(64)
+    c = eqfuse.compile(chain, (x,), plan_cache=False)
+    assert c.report["extraction"]["budget_spent"] == "fusion"
+    torch.testing.assert_close(c(x), chain(x))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -285,16 +286,26 @@ class Extractor:
     def fx_names(self, c) -> list[str]:
         return self._fx_names.get(c, [])
 
-    def extract(self) -> tuple[Plan, dict]:
+    def extract(self, deadline: float | None = None) -> tuple[Plan, dict]:
+        """The plan, and a report. Past ``deadline`` (``time.perf_counter()``), the search
+        stops where it is: an unschedulable plan becomes the one that stores every value
+        (when that one can be scheduled), and no more fusions are weighed."""
         with _collector_paused():
             try:
-                return self._extract()
+                return self._extract(deadline)
             finally:
                 # The kernels weighed and dropped, freed before the collector resumes (it
                 # would walk them all once, as young objects, to find no garbage).
                 self._kernels.clear()
 
-    def _extract(self) -> tuple[Plan, dict]:
+    def _extract(self, deadline: float | None) -> tuple[Plan, dict]:
+        spent = {"at": None}  # the step at which the budget ran out
+
+        def over(step: str) -> bool:
+            if spent["at"] is None and deadline is not None and time.perf_counter() > deadline:
+                spent["at"] = step
+            return spent["at"] is not None
+
         roots = self.roots()
         order = self.reachable(roots)
         forced = set(roots) | {self.tensor_node[self.best[c].args[0]].args[0]
@@ -317,6 +328,11 @@ class Extractor:
         state = self._checked(evaluate(M, host), memo)
         # Repair: materialise inside kernels the code generator cannot schedule.
         while state.invalid:
+            if over("repair"):
+                stored = self._checked(unfused, memo)
+                if not stored.invalid:
+                    M, host, state = set(forced) | set(candidates), {}, stored
+                    break
             bad = state.invalid[0]
             inside = [c for c in state.inline_sets[bad] if c in self.kernel_of and c not in M and self._storable(c)]
             if not inside:
@@ -337,6 +353,8 @@ class Extractor:
         for _ in range(3):
             improved = False
             for c in filter(self._storable, candidates):
+                if over("fusion"):
+                    break
                 trial_m = M - {c} if c in M else M | {c}
                 trial = acceptable(evaluate(trial_m, host, state))
                 if trial is not None:
@@ -346,7 +364,7 @@ class Extractor:
         # Multi-output kernels: store a materialised value from a kernel that computes it
         # anyway (a consumer), or from a sibling over the same inputs (horizontal fusion).
         for c in sorted(M, key=order.index):
-            if c not in state.specs:
+            if c not in state.specs or over("multi-output kernels"):
                 continue
             reads = state.reads[c]
             siblings = [p for p in state.specs if reads & state.reads[p]]
@@ -364,8 +382,11 @@ class Extractor:
         unfused = self._checked(unfused, memo)
         plan = self._assemble(state, M, host)
         plan.cost, plan.cost_unfused = state.cost, unfused.cost
-        return plan, {"plan_cost_us": round(state.cost, 3), "unfused_cost_us": round(unfused.cost, 3),
-                      "materialised": len(M), "kernels": len(plan.kernels)}
+        report = {"plan_cost_us": round(state.cost, 3), "unfused_cost_us": round(unfused.cost, 3),
+                  "materialised": len(M), "kernels": len(plan.kernels)}
+        if spent["at"] is not None:
+            report["budget_spent"] = spent["at"]
+        return plan, report
 
     def _reroute(self, bad, inline, reachable: set, M, trial) -> _State | None:
         """For a kernel that cannot be scheduled and inlines no value it could store instead:

@@ -42,7 +42,9 @@ class FallbackInfo:
 @dataclass
 class Options:
     max_enodes: int = 50_000
-    max_seconds: float = 10.0
+    # the plan search's budget, from capture to extraction: saturation stops at it, and
+    # extraction past it keeps the best plan it has (and autotuning is skipped)
+    max_seconds: float = 60.0
     rules: tuple = ("algebra", "views", "fusion")
     autotune: bool = True
     validate: bool = True  # check the extracted plan against the graph on the example inputs
@@ -457,6 +459,9 @@ class _Variant:
             e = rep["extraction"]
             lines.append(f"  modelled time: {e['plan_cost_us']} us fused vs {e['unfused_cost_us']} us "
                          "one kernel per op")
+            if e.get("budget_spent"):
+                lines.append(f"  search: the time budget (max_seconds) ran out at {e['budget_spent']}; "
+                             "the best plan found by then, untuned")
         for k in self.kernels:
             runs = f"; runs as {k.template}" if k.template else ""
             lines.append(f"  kernel {k.name}: {k.schedule.describe()}{runs}; grid {k.grid}, {k.constexprs}")
