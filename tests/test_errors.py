@@ -299,3 +299,39 @@ def test_random_ops_draw_in_the_graphs_order():
     got = c(x, y)
     torch.manual_seed(3)
     assert_matches(got, f(x, y))
+
+
+def _seeded_dropout(x):
+    torch.manual_seed(0)
+    return torch.nn.functional.dropout(x, 0.5)
+
+
+def _forked_rand_like(x):
+    with torch.random.fork_rng():  # the state set back after: no change left behind
+        torch.manual_seed(0)
+        return torch.rand_like(x)
+
+
+@pytest.mark.parametrize("fn", [_seeded_dropout, _forked_rand_like], ids=["seeded", "forked"])
+def test_a_function_that_seeds_the_generator_is_refused_and_the_state_kept(fn):
+    """Tracing ran the seeding once; a compiled graph would never seed again (found by the
+    OpInfo sweep: the OpInfos of random ops seed inside the op, in a forked state). The
+    user's generator is left as it was."""
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    with pytest.raises(CaptureError, match="sets the random generator's state"):
+        eqfuse.compile(fn, (torch.ones(8),))
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("layout", ["csr", "coo"])
+def test_a_sparse_input_runs_its_op_in_eager(layout):
+    """A sparse tensor has no strides: a compiled graph's call signature names its layout
+    instead (a CSR input raised from inside the call's signature)."""
+    dense = torch.eye(3) * torch.arange(1.0, 4.0)
+    a = dense.to_sparse_csr() if layout == "csr" else dense.to_sparse()
+    b = torch.randn(3, 2)
+    fn = lambda a, b: torch.sparse.mm(a, b) * 2  # noqa: E731
+    c = eqfuse.compile(fn, (a, b))
+    torch.testing.assert_close(c(a, b), fn(a, b))
+    assert any("sparse" in f.reason or "mm" in f.node for f in c.fallbacks), c.fallbacks

@@ -546,6 +546,10 @@ COPIES = {
     "transpose_contiguous": lambda x: x.transpose(1, 2).contiguous(),
     "expand_copy": lambda x: torch.expand_copy(x[:, :1], (4, 3, 10)),
     "split_with_sizes_copy": lambda x: torch.split_with_sizes_copy(x, [2, 3], 1),
+    # a copy of an eager step's view of the input (unfold runs in eager)
+    "unfold_copy": lambda x: torch.unfold_copy(x, 2, 2, 2),
+    # a copy handed to an eager step that returns a view of it (resize_ runs in eager)
+    "clone_resize": lambda x: x.clone().resize_(20, 10),
 }
 
 

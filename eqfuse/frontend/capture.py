@@ -9,6 +9,7 @@ the user's result.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -258,6 +259,48 @@ def buffers_kept(fn):
                 b.copy_(value)
 
 
+def _rng_states() -> list:
+    """The CPU generator's state, and each GPU's where CUDA is initialised, as bytes."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return [bytes(s.numpy()) for s in states]
+
+
+# Where code sets a generator's state, as torch spells it (a state saved and set back, as
+# torch.random.fork_rng and the OpInfo tests' seeding wrapper do, leaves no change behind)
+_SEEDING = [(torch, "manual_seed"), (torch, "seed"), (torch, "set_rng_state"), (torch.random, "manual_seed"),
+            (torch.random, "seed"), (torch.random, "set_rng_state"), (torch.cuda, "manual_seed"),
+            (torch.cuda, "manual_seed_all"), (torch.cuda, "set_rng_state"), (torch.cuda, "set_rng_state_all")]
+
+
+@contextmanager
+def _seeding_watched(calls: list):
+    """Each seeding function named in _SEEDING, noting in ``calls`` that it ran."""
+    saved = [(module, name, getattr(module, name)) for module, name in _SEEDING]
+
+    def watched(name, f):
+        @functools.wraps(f)
+        def call(*args, **kwargs):
+            calls.append(name)
+            return f(*args, **kwargs)
+        return call
+
+    for module, name, f in saved:
+        setattr(module, name, watched(name, f))
+    try:
+        yield
+    finally:
+        for module, name, f in saved:
+            setattr(module, name, f)
+
+
+def _restore_rng_states(states: list) -> None:
+    torch.random.set_rng_state(torch.frombuffer(bytearray(states[0]), dtype=torch.uint8))
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in states[1:]])
+
+
 def capture(fn: Callable, example_inputs) -> CapturedGraph:
     """Trace ``fn(*example_inputs)`` to ATen primitives with fake tensors."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -285,8 +328,10 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # our error says it in one line
+    rng = _rng_states()
+    seeded: list = []
     try:
-        with buffers_kept(fn):
+        with buffers_kept(fn), _seeding_watched(seeded):
             gm = make_fx(flat_fn, decomposition_table=decomposition_table(), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*example_inputs)
             if _mutates(gm):
@@ -296,6 +341,14 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
         raise CaptureError(f"could not trace the function: {type(e).__name__}: {msg}") from e
     finally:
         quiet.setLevel(level)
+        changed = _rng_states() != rng
+        if changed:
+            _restore_rng_states(rng)
+    if changed or seeded:
+        # Fake tensors draw nothing from the generators: the function set their state itself
+        raise CaptureError("the function sets the random generator's state as it runs (torch.manual_seed, "
+                           "set_rng_state), which a compiled graph would not do again on its calls: set it "
+                           "before calling the compiled function")
 
     # Tensor constants (module parameters, tensors closed over) become extra inputs.
     constants, literals = [], {}

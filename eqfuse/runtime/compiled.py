@@ -103,8 +103,9 @@ def _signature(tensors) -> tuple:
     80 ns getter): a graph compiled with it on computes in TF32, so turning it off
     compiles again rather than keeping the rounding the user turned off."""
     sig = [torch._C._get_cublas_allow_tf32()]
-    for t in tensors:
-        sig.append((t.shape, t.dtype, t.stride(), t.device))
+    strided = torch.strided
+    for t in tensors:  # (a sparse tensor has no strides: its layout stands for them)
+        sig.append((t.shape, t.dtype, t.stride() if t.layout is strided else t.layout, t.device))
     return tuple(sig)
 
 

@@ -107,7 +107,9 @@ class Translator:
         self.fallbacks: list[Fallback] = []
         self.roots: list[str] = []
         self.inputs: list = []
-        self.input_storages: dict = {}  # input buffer name -> its storage in the trace (for aliasing)
+        # input or eager step's buffer name -> its tensor's storage in the trace (for aliasing;
+        # an eager step's result may be a view of an input)
+        self.input_storages: dict = {}
         self.literals: dict = {}  # input buffer name -> value, for 0-dim literals (CapturedGraph.literals)
         self._ivecs: dict[tuple, Any] = {}
         self.emulate_precision_casts = emulate_precision_casts
@@ -278,8 +280,12 @@ class Translator:
         def ref(a, path):
             if isinstance(a, torch.fx.Node):
                 e = self.env[a]
-                if isinstance(e, BufferView):
+                if isinstance(e, BufferView) and not self._copied_input(e, a):
                     return BufRef(e.buf, e.shape, e.strides, e.offset)
+                if isinstance(e, BufferView):
+                    # A copy in eager (a clone of an input): the step gets a copy too, or a
+                    # view it returns would be a view of the input (x.clone().resize_(...))
+                    e = Computed(self.value(e), e.shape, e.dtype)
                 if isinstance(e, list):  # a multi-result eager node passed whole
                     raise Unsupported("multi-result value passed on")
                 if isinstance(e, _Opaque):  # an eager op's result no kernel reads
@@ -309,6 +315,7 @@ class Translator:
                 # The buffer holds the result in eager's layout (see EagerCall).
                 entries.append(BufferView(name, tuple(m.shape), dense_strides(m.shape, m.stride()), 0, dt,
                                           foldable=False) if dt else _Opaque(name))
+                self.input_storages[name] = _storage(m)
                 info.append((tuple(m.shape), dt))
             else:
                 entries.append(_Opaque(name))
@@ -318,8 +325,8 @@ class Translator:
         self.env[node] = entries if multi else entries[0]
 
     def _copied_input(self, entry, node) -> bool:
-        """Whether output ``node``, read from input buffer ``entry.buf``, is in eager a
-        tensor of its own rather than a view of that input."""
+        """Whether output ``node``, read from buffer ``entry.buf`` (an input's, or an eager
+        step's), is in eager a tensor of its own rather than a view of that buffer's tensor."""
         if not isinstance(node, torch.fx.Node) or entry.buf not in self.input_storages:
             return False
         mine, theirs = _storage(_meta(node)), self.input_storages[entry.buf]
