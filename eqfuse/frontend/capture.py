@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -260,45 +261,62 @@ def buffers_kept(fn):
 
 
 def _rng_states() -> list:
-    """The CPU generator's state, and each GPU's where CUDA is initialised, as bytes."""
-    states = [torch.random.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states += torch.cuda.get_rng_state_all()
-    return [bytes(s.numpy()) for s in states]
+    """The CPU generator's state, and each GPU's where CUDA is initialised, as bytes (real
+    tensors: a backend's capture runs under AOTAutograd's fake mode)."""
+    with unset_fake_temporarily():
+        states = [torch.random.get_rng_state()]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states += torch.cuda.get_rng_state_all()
+        return [bytes(s.numpy()) for s in states]
 
 
 # Where code sets a generator's state, as torch spells it (a state saved and set back, as
-# torch.random.fork_rng and the OpInfo tests' seeding wrapper do, leaves no change behind)
+# torch.random.fork_rng and the OpInfo tests' seeding wrapper do, leaves no change behind;
+# and another thread may draw numbers meanwhile, so the state itself tells nothing)
 _SEEDING = [(torch, "manual_seed"), (torch, "seed"), (torch, "set_rng_state"), (torch.random, "manual_seed"),
             (torch.random, "seed"), (torch.random, "set_rng_state"), (torch.cuda, "manual_seed"),
             (torch.cuda, "manual_seed_all"), (torch.cuda, "set_rng_state"), (torch.cuda, "set_rng_state_all")]
+_seeding = {"watchers": 0, "saved": []}
+_seeding_lock = threading.Lock()
+_watching = threading.local()  # .calls: the seeding calls this thread's capture made
 
 
 @contextmanager
 def _seeding_watched(calls: list):
-    """Each seeding function named in _SEEDING, noting in ``calls`` that it ran."""
-    saved = [(module, name, getattr(module, name)) for module, name in _SEEDING]
-
+    """The seeding functions of _SEEDING note in ``calls`` each call this thread makes.
+    Installed while any capture runs (captures run in several threads at once)."""
     def watched(name, f):
         @functools.wraps(f)
         def call(*args, **kwargs):
-            calls.append(name)
+            mine = getattr(_watching, "calls", None)
+            if mine is not None:
+                mine.append(name)
             return f(*args, **kwargs)
         return call
 
-    for module, name, f in saved:
-        setattr(module, name, watched(name, f))
+    with _seeding_lock:
+        if _seeding["watchers"] == 0:
+            _seeding["saved"] = [(module, name, getattr(module, name)) for module, name in _SEEDING]
+            for module, name, f in _seeding["saved"]:
+                setattr(module, name, watched(name, f))
+        _seeding["watchers"] += 1
+    _watching.calls = calls
     try:
         yield
     finally:
-        for module, name, f in saved:
-            setattr(module, name, f)
+        _watching.calls = None
+        with _seeding_lock:
+            _seeding["watchers"] -= 1
+            if _seeding["watchers"] == 0:
+                for module, name, f in _seeding["saved"]:
+                    setattr(module, name, f)
 
 
 def _restore_rng_states(states: list) -> None:
-    torch.random.set_rng_state(torch.frombuffer(bytearray(states[0]), dtype=torch.uint8))
-    if len(states) > 1:
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in states[1:]])
+    with unset_fake_temporarily():
+        torch.random.set_rng_state(torch.frombuffer(bytearray(states[0]), dtype=torch.uint8))
+        if len(states) > 1:
+            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in states[1:]])
 
 
 def capture(fn: Callable, example_inputs) -> CapturedGraph:
@@ -341,11 +359,9 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
         raise CaptureError(f"could not trace the function: {type(e).__name__}: {msg}") from e
     finally:
         quiet.setLevel(level)
-        changed = _rng_states() != rng
-        if changed:
+        if seeded:
             _restore_rng_states(rng)
-    if changed or seeded:
-        # Fake tensors draw nothing from the generators: the function set their state itself
+    if seeded:
         raise CaptureError("the function sets the random generator's state as it runs (torch.manual_seed, "
                            "set_rng_state), which a compiled graph would not do again on its calls: set it "
                            "before calling the compiled function")
