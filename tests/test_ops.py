@@ -20,6 +20,8 @@ CASES = {
     "log1p_expm1": (lambda x: torch.log1p(x.abs() * 1e-3) + torch.log1p(x.abs()) + torch.expm1(x * 1e-6)
                     + torch.expm1(x), 1),
     "rounding": (lambda x: torch.floor(x * 3) + torch.ceil(x * 3) + torch.reciprocal(x.abs() + 1), 1),
+    "log2_exp2_trunc_sign": (lambda x: torch.log2(x.abs() + 1) + torch.log10(x.abs() + 1) + torch.exp2(x)
+                             + torch.trunc(x * 3) + torch.sign(x), 1),
     "pow": (lambda x: x ** 2 + x.abs() ** 0.5 + x ** 3 + (x.abs() + 1) ** -0.5 + (x.abs() + 1) ** -1, 1),
     "pow_general": (lambda x: torch.nan_to_num(x ** 1.7, nan=-7.0) + x ** 4 + x ** 5 + (x.abs() + 0.5) ** -2.5
                     + x ** -3, 1),
@@ -106,6 +108,23 @@ def test_maximum_minimum_and_clamp_return_nan_from_either_side():
     assert c.kernels and not c.fallbacks, c.explain()
     for got, want in zip(c(x, y), f(x, y)):
         torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+def test_fmax_and_fmin_skip_nan_and_a_truncated_quotient_rounds_toward_zero():
+    """fmax / fmin: the other operand where one is NaN, NaN where both are, the first of two
+    equal zeros; div(rounding_mode="trunc") on floats: the quotient toward zero, its zero
+    signed as torch signs it."""
+    nan = float("nan")
+    x = torch.tensor([nan, 1.0, nan, -0.0, 0.0, 7.0, -7.0, 1.0, -0.0, -1.0])
+    y = torch.tensor([2.0, nan, nan, 0.0, -0.0, 2.0, 2.0, 0.0, 3.0, 3.0])
+
+    def f(x, y):
+        return torch.fmax(x, y), torch.fmin(x, y), torch.div(x, y, rounding_mode="trunc"), torch.fmax(y, x)
+    c = eqfuse.compile(f, (x, y))
+    assert c.kernels and not c.fallbacks, c.explain()
+    for got, want in zip(c(x, y), f(x, y)):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+        assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0])), (got, want)
 
 
 @pytest.mark.parametrize("reduce", ["amax", "amin"])

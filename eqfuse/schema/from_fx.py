@@ -618,7 +618,8 @@ UNARY_TARGETS = {
     aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.relu: "relu", aten.abs: "abs", aten.erf: "erf",
     aten.sin: "sin", aten.cos: "cos", aten.floor: "floor", aten.ceil: "ceil",
     aten.reciprocal: "reciprocal", aten.logical_not: "not", aten.log1p: "log1p", aten.expm1: "expm1",
-    aten.isnan: "isnan", aten.isinf: "isinf",
+    aten.isnan: "isnan", aten.isinf: "isinf", aten.log2: "log2", aten.exp2: "exp2", aten.log10: "log10",
+    aten.trunc: "trunc", aten.sign: "sign", aten.sgn: "sign",
 }
 
 
@@ -650,7 +651,7 @@ BINARY_TARGETS = {
     aten.minimum: "minimum", aten.eq: "eq", aten.ne: "ne", aten.lt: "lt", aten.le: "le",
     aten.gt: "gt", aten.ge: "ge", aten.logical_and: "and", aten.logical_or: "or",
     aten.logical_xor: "xor", aten.bitwise_and: "and", aten.bitwise_or: "or", aten.bitwise_xor: "xor",
-    prims.div: "div", aten.pow: "pow",
+    prims.div: "div", aten.pow: "pow", aten.fmax: "fmax", aten.fmin: "fmin",
     aten.bitwise_right_shift: "rshift", aten.__rshift__: "rshift",
     aten.bitwise_left_shift: "lshift", aten.__lshift__: "lshift",
 }
@@ -659,7 +660,7 @@ BINARY_TARGETS = {
 def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
     op = BINARY_TARGETS[node.target.overloadpacket]
     shape, dt = _out(node)
-    if rounding_mode is not None:
+    if rounding_mode is not None and not (rounding_mode == "trunc" and ops.is_float(dt)):
         raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
     if op == "pow" and not (isinstance(b, (int, float)) and ops.is_float(dt)):
         raise Unsupported("pow is supported on floats with a scalar exponent")
@@ -679,7 +680,10 @@ def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
     va, vb = tr.operand(a, shape, compute), tr.operand(b, shape, compute)
     if alpha is not None and alpha != 1:
         vb = tr.mk(tr.t.Binary("mul", vb, tr.const(alpha, compute)), compute, shape)
-    return Computed(tr.mk(tr.t.Binary(op, va, vb), dt, shape), shape, dt)
+    v = tr.mk(tr.t.Binary(op, va, vb), dt, shape)
+    if rounding_mode == "trunc":  # a float quotient rounded toward zero, as torch computes it
+        v = tr.mk(tr.t.Unary("trunc", v), dt, shape)
+    return Computed(v, shape, dt)
 
 
 handles(*BINARY_TARGETS)(_binary)

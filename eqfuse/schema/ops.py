@@ -53,6 +53,14 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
           "tl.log({a} + 1.0) * ({a} / (({a} + 1.0) - 1.0))))", 3),
     OpDef("expm1", torch.expm1,  # x (1 + x / 2) near 0: -0.0 keeps its sign
           "tl.where(tl.abs({a}) < 1e-5, {a} * (1.0 + 0.5 * {a}), tl.exp({a}) - 1.0)", 3),
+    OpDef("log2", torch.log2, "tl.log2({a})", 2),
+    OpDef("exp2", torch.exp2, "tl.exp2({a})", 2),
+    # log2(x) * log10(2): within an ulp or two of log10 (exact at 0, inf and NaN)
+    OpDef("log10", torch.log10, "(tl.log2({a}) * 0.30102999566398120)", 2),
+    # toward zero: ceil below 0 keeps -0.0 (trunc(-0.3) is -0.0), floor keeps NaN
+    OpDef("trunc", torch.trunc, "tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))", 0.5),
+    # as torch: 0 for NaN and for either zero
+    OpDef("sign", torch.sign, "tl.where({a} > 0, 1.0, tl.where({a} < 0, -1.0, 0.0))", 0.5),
     OpDef("not", torch.logical_not, "({a} == 0)", 0.5),
     OpDef("isnan", torch.isnan, "({a} != {a})", 0.5),
     OpDef("isinf", torch.isinf, "(tl.abs({a}) == float(\"inf\"))", 0.5),
@@ -68,6 +76,10 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     # returns the other operand; propagate_nan has no Gluon spelling for the templates)
     OpDef("maximum", torch.maximum, "tl.where({a} != {a}, {a}, tl.where({b} != {b}, {b}, tl.maximum({a}, {b})))"),
     OpDef("minimum", torch.minimum, "tl.where({a} != {a}, {a}, tl.where({b} != {b}, {b}, tl.minimum({a}, {b})))"),
+    # the other operand where one is NaN (NaN where both are), else the first where equal
+    # (fmax(-0.0, 0.0) is -0.0 in torch)
+    OpDef("fmax", torch.fmax, "tl.where({a} != {a}, {b}, tl.where({b} > {a}, {b}, {a}))"),
+    OpDef("fmin", torch.fmin, "tl.where({a} != {a}, {b}, tl.where({b} < {a}, {b}, {a}))"),
     OpDef("eq", torch.eq, "({a} == {b})"),
     OpDef("ne", torch.ne, "({a} != {b})"),
     OpDef("lt", torch.lt, "({a} < {b})"),
