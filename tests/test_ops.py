@@ -21,7 +21,7 @@ CASES = {
                     + torch.expm1(x), 1),
     "rounding": (lambda x: torch.floor(x * 3) + torch.ceil(x * 3) + torch.reciprocal(x.abs() + 1), 1),
     "log2_exp2_trunc_sign": (lambda x: torch.log2(x.abs() + 1) + torch.log10(x.abs() + 1) + torch.exp2(x)
-                             + torch.trunc(x * 3) + torch.sign(x), 1),
+                             + torch.trunc(x * 3) + torch.sign(x) + torch.round(x * 4), 1),
     "pow": (lambda x: x ** 2 + x.abs() ** 0.5 + x ** 3 + (x.abs() + 1) ** -0.5 + (x.abs() + 1) ** -1, 1),
     "pow_general": (lambda x: torch.nan_to_num(x ** 1.7, nan=-7.0) + x ** 4 + x ** 5 + (x.abs() + 0.5) ** -2.5
                     + x ** -3, 1),
@@ -108,6 +108,17 @@ def test_maximum_minimum_and_clamp_return_nan_from_either_side():
     assert c.kernels and not c.fallbacks, c.explain()
     for got, want in zip(c(x, y), f(x, y)):
         torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+def test_round_goes_half_to_even_and_keeps_the_sign_of_zero():
+    """Ties to even on both sides of zero, the largest float below a half (x + 0.5 would
+    round it up), zeros of x's sign, and values past 2^23 (all whole) as they are."""
+    x = torch.tensor([0.49999997, 2.5, 3.5, -2.5, -0.3, -0.5, 0.5, 1.5, 8388609.0, -8388609.0, 4194304.5,
+                      -4194304.5, 4194303.5, 0.7, -1.7, -0.0, 1e-40, 3e38])
+    c = eqfuse.compile(torch.round, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), torch.round(x)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), (got, want)
 
 
 def test_fmax_and_fmin_skip_nan_and_a_truncated_quotient_rounds_toward_zero():

@@ -619,13 +619,15 @@ UNARY_TARGETS = {
     aten.sin: "sin", aten.cos: "cos", aten.floor: "floor", aten.ceil: "ceil",
     aten.reciprocal: "reciprocal", aten.logical_not: "not", aten.log1p: "log1p", aten.expm1: "expm1",
     aten.isnan: "isnan", aten.isinf: "isinf", aten.log2: "log2", aten.exp2: "exp2", aten.log10: "log10",
-    aten.trunc: "trunc", aten.sign: "sign", aten.sgn: "sign",
+    aten.trunc: "trunc", aten.sign: "sign", aten.sgn: "sign", aten.round: "round",
 }
 
 
 def _unary(tr, node, x, *rest, **kw):
     op = UNARY_TARGETS[node.target.overloadpacket]
     shape, dt = _out(node)
+    if op == "round" and (rest or kw.get("decimals") or dt == "float64"):
+        raise Unsupported("round to decimals, or of float64")
     if op in ops.BOOL_UNARY:
         v = tr.operand(x, shape, x.dtype)
         return Computed(tr.mk(tr.t.Unary(op, v), "bool", shape), shape, "bool")
