@@ -37,8 +37,8 @@ past D with zeros as it loads (nothing added to a score, a zero column of the ou
 and leaves them out as it stores; k stored transposed then has D rows a head, so its
 persistent form, whose boxes would reach into the next head, needs D = DP. The kernel
 makes its TMA descriptors on the device (Triton's global scratch): per program for its
-head, or once per persistent program over collapsed operands. The sizes and strides are constexprs: the kernel is
-compiled for one shape, as eqfuse's generated kernels are.
+head, or once per persistent program over collapsed operands. The sizes and strides are
+constexprs: the kernel is compiled for one shape, as eqfuse's generated kernels are.
 """
 
 from __future__ import annotations

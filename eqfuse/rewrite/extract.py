@@ -327,8 +327,9 @@ class Extractor:
         unfused = evaluate(set(forced) | set(candidates), {})
         state = self._checked(evaluate(M, host), memo)
         # Repair: materialise inside kernels the code generator cannot schedule.
+        stored = None  # the all-stored plan, checked once the budget has run out
         while state.invalid:
-            if over("repair"):
+            if stored is None and over("repair"):
                 stored = self._checked(unfused, memo)
                 if not stored.invalid:
                     M, host, state = set(forced) | set(candidates), {}, stored

@@ -60,11 +60,10 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     # toward zero: ceil below 0 keeps -0.0 (trunc(-0.3) is -0.0), floor keeps NaN
     OpDef("trunc", torch.trunc, "tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))", 0.5),
     # half to even, as torch: x's fraction above its floor decides (x + 0.5 would round
-    # 0.49999997 up); a zero keeps x's sign (round(-0.3) is -0.0); from 2^23 on every
-    # float32 is whole (float64 is not: translated for narrower floats only)
+    # 0.49999997 up); from -0.5 to 0.5 a zero of x's sign (round(-0.3) is -0.0); from 2^23
+    # on every float32 is whole (float64 is not: translated for narrower floats only)
     OpDef("round", torch.round,
-          "tl.where(tl.abs({a}) >= 8388608.0, {a}, tl.where(tl.floor({a}) + tl.where({a} - tl.floor({a}) > 0.5, 1.0, "
-          "tl.where({a} - tl.floor({a}) == 0.5, tl.where(tl.floor({a}) % 2 != 0, 1.0, 0.0), 0.0)) == 0, {a} * 0.0, "
+          "tl.where(tl.abs({a}) >= 8388608.0, {a}, tl.where(tl.abs({a}) <= 0.5, {a} * 0.0, "
           "tl.floor({a}) + tl.where({a} - tl.floor({a}) > 0.5, 1.0, "
           "tl.where({a} - tl.floor({a}) == 0.5, tl.where(tl.floor({a}) % 2 != 0, 1.0, 0.0), 0.0))))", 2),
     # as torch: 0 for NaN and for either zero
