@@ -17,9 +17,9 @@ over eager and over torch.compile, compile seconds cold (the first call; each
 contender's caches start empty) and, with ``--warm``, warm (compiled again after
 torch._dynamo.reset), the memory peak of a call, and for eqfuse the kernels and eager
 steps of its graphs; with ``--profile``, each contender's GPU kernels per call
-(torch.profiler), most time first. eqfuse compiles with autotune off (the tile model's
-first choice) unless ``--autotune``. The last lines printed are the summary table and
-the geomeans.
+(torch.profiler), most time first, and its host's side of a call (``host_table``).
+eqfuse compiles with autotune off (the tile model's first choice) unless
+``--autotune``. The last lines printed are the summary table and the geomeans.
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
             traceback.print_exc()
     if args.profile:
         row["profile"] = {name: kernel_table(fn) for name, fn in fns.items()}
+        row["host"] = {name: host_table(fn) for name, fn in fns.items()}
     if not args.no_timing and fns:
         us = bench_interleaved(fns)
         for name, t in us.items():
@@ -185,7 +186,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
     return row
 
 
-def kernel_table(fn, calls: int = 3, top: int = 12) -> list:
+def kernel_table(fn, calls: int = 3, top: int = 40) -> list:
     """The GPU kernels of ``calls`` calls (torch.profiler), most time first: [name, us per call, count per call]."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -200,6 +201,35 @@ def kernel_table(fn, calls: int = 3, top: int = 12) -> list:
     total = sum(e.device_time_total for e in events) / calls
     rows = [[e.key[:90], round(e.device_time_total / calls, 1), e.count // calls] for e in events[:top]]
     return [["<all kernels>", round(total, 1), sum(e.count for e in events) // calls]] + rows
+
+
+def host_table(fn, calls: int = 5, top: int = 8) -> dict:
+    """Where a call's time goes outside the GPU's kernels: the host's time to issue a call
+    (``calls`` calls without a sync between them), the wall time of a synced call, and the
+    CUDA runtime calls the host makes in one, most host time first: [name, us per call,
+    count per call]. A call whose wall time is far above its kernels' sum and close to its
+    host time is bound by the host; a runtime call that waits (a synchronisation, a
+    ``cudaMalloc``) shows here."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    runtime = [e for e in prof.key_averages() if e.key.startswith("cuda")]
+    runtime.sort(key=lambda e: -e.self_cpu_time_total)
+    return {"host_us": round((issued - start) * 1e6 / calls, 1), "wall_us": round((done - start) * 1e6 / calls, 1),
+            "runtime": [[e.key, round(e.self_cpu_time_total / calls, 1), e.count // calls] for e in runtime[:top]]}
 
 
 def geomean(xs):

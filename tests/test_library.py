@@ -371,3 +371,39 @@ def test_an_operand_sliced_from_longer_rows_is_copied_contiguous(cublas, monkeyp
     (_, buf), = copy.roots
     assert compiled.plan.buffers[buf].layout == (1024, 1)
     assert [c.operands[0].buf for c in compiled.library_calls] == [buf]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sum_of_products_is_a_call_then_each_added(cublas, dtype):
+    """A sum of products that extraction keeps in one kernel (a training step's gradient
+    of an input that two projections read): ``torch.mm``, then each further product added
+    onto the output (``addmm_``), on ordinary and special values."""
+    torch.manual_seed(0)
+    a, b = torch.randn(512, 1024, dtype=dtype), torch.randn(512, 1024, dtype=dtype)
+    w1, w2 = torch.randn(1024, 256, dtype=dtype), torch.randn(1024, 256, dtype=dtype)
+    a[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, torch.finfo(dtype).max])
+    compiled = _check(lambda a, b, w1, w2: a @ w1 + b @ w2, [a, b, w1, w2], kernels=0, calls=["mm"])
+    assert _calls(compiled)[0][1] == f"[512 x 1024] @ [1024 x 256] + [512 x 1024] @ [1024 x 256] {str(dtype)[6:]}"
+    assert ".addmm_(" in compiled.source
+
+
+def test_a_sum_of_products_with_a_matrix_added_is_addmm_then_the_rest():
+    """(a @ w1 + b @ w2) + h, one kernel's tree of adds: addmm, then the other product
+    added; with an odd K the sum stays a generated kernel."""
+    from eqfuse.schema.plan import Buffer, KernelSpec, PNode, contiguous_strides
+
+    def load(name, shape):
+        return PNode("load", (name, contiguous_strides(shape), 0), (), shape, "float16")
+
+    def root(k):
+        dots = [PNode("dot", (), (load(x, (64, k)), load(w, (k, 32))), (64, 32), "float16")
+                for x, w in (("a", "w1"), ("b", "w2"))]
+        total = PNode("binary", ("add",), tuple(dots), (64, 32), "float16")
+        return PNode("binary", ("add",), (total, load("h", (64, 32))), (64, 32), "float16")
+    buffers = {"out": Buffer("out", (64, 32), "float16", "temp")}
+    call = library.library_call(KernelSpec("k0", [(root(2048), "out")]), buffers)
+    assert call.op == "addmm" and [v.buf for v in call.operands] == ["a", "w1", "h"]
+    assert [(op, [v.buf for v in operands], accumulate) for op, operands, _, accumulate in library.torch_calls(call)] \
+        == [("addmm", ["a", "w1", "h"], False), ("addmm", ["b", "w2"], True)]
+    assert step_reads(call) == {"a", "w1", "h", "b", "w2"}
+    assert library.library_call(KernelSpec("k0", [(root(2047), "out")]), buffers) is None

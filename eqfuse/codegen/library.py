@@ -72,59 +72,111 @@ def library_products(plan: Plan, split: bool = True) -> None:
 def library_call(spec: KernelSpec, buffers: dict, split: bool = True) -> LibraryCall | None:
     """The LibraryCall computing ``spec``, or None where it is not one plain product of
     layouts cuBLAS takes, or one plus a matrix read as stored (``torch.addmm``: cuBLAS adds
-    it as the product's epilogue, a residual or a tied weight's other gradient). A K that
-    an operand runs along with unit stride and that is not a whole number of 16 bytes is
-    split off where ``split`` and long enough (``odd_dims``), else the kernel stays
-    generated; such an M or N is split off likewise, else left to cuBLAS as it is."""
+    it as the product's epilogue, a residual or a tied weight's other gradient), or a sum
+    of such products (each further one added onto the output: ``addmm_``; a training
+    step's gradient of an input that two projections read). A K that an operand runs
+    along with unit stride and that is not a whole number of 16 bytes is split off where
+    ``split`` and long enough (``odd_dims``), else the kernel stays generated; such an M
+    or N is split off likewise, else left to cuBLAS as it is. A sum of products takes no
+    odd dims."""
     if len(spec.roots) != 1:
         return None
     root, out = spec.roots[0]
-    root, added, added_read = _sum_of_product(root)
-    product, out_view, added_view = _product_output(root, buffers[out], added_read)
+    products, added = _summands(root)
+    if not products:
+        return None
+    added_read = strided_view(added) if added is not None else None
+    first = _plain_product(products[0], buffers[out], added_read)
+    if first is None or (added is not None and added.dtype != first[0].dtype):
+        return None
+    product, matrices, batched = first
+    itemsize = ITEMSIZE[product.dtype]
+    summed = []
+    for term in products[1:]:
+        more = _plain_product(term, buffers[out])
+        if more is None or more[2] != batched or odd_dims(more[1], itemsize):
+            return None
+        summed.append(tuple(more[1]))
+    op = ("baddbmm" if batched else "addmm") if added is not None else ("bmm" if batched else "mm")
+    *_, m, n = product.shape
+    k = product.args[0].shape[-1]
+    odd = odd_dims(matrices, itemsize)
+    if odd and summed:
+        return None
+    tail_at = {dim: size - size % (ALIGNMENT // itemsize) for dim, size in odd.items()
+               if split and size >= MIN_SPLIT}
+    if "k" in odd and "k" not in tail_at:
+        return None
+    batch = f"{matrices[-1].shape[0]} x " if batched else ""
+    more = "".join(f" + [{m} x {a.shape[-1]}] @ [{a.shape[-1]} x {n}]" for a, _, _ in summed)
+    plus = " + a matrix" if added is not None else ""
+    splits = "".join(f", {dim.upper()} split {at} + {odd[dim] - at}" for dim, at in tail_at.items())
+    return LibraryCall(spec.name, op, matrices[:-1], matrices[-1],
+                       f"{batch}[{m} x {k}] @ [{k} x {n}]{more}{plus} {product.dtype}{splits}",
+                       list(spec.fx_nodes), tuple(tail_at.items()), tuple(summed))
+
+
+def _summands(root: PNode) -> tuple:
+    """([the terms of ``root``'s sum that are products under index maps], the term that is
+    a plain read, or None): ``root`` a product, or a tree of adds over products and at most
+    one plain read; ([], None) for anything else."""
+    terms, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        if node.op == "binary" and node.attrs[0] == "add" and node.dtype == root.dtype:
+            stack += reversed(node.args)
+        else:
+            terms.append(node)
+    products, reads = [], []
+    for term in terms:
+        inner = term
+        while inner.op in ("reshape", "permute"):
+            inner = inner.args[0]
+        if inner.op == "dot":
+            products.append(term)
+        elif len(terms) > 1 and strided_view(term) is not None:
+            reads.append(term)
+        else:
+            return [], None
+    if len(reads) > 1:
+        return [], None
+    return products, (reads[0] if reads else None)
+
+
+def _plain_product(term: PNode, buffer, added_read: tuple | None = None) -> tuple | None:
+    """(the product, [BufRefs of its left and right matrices, ``added_read``'s matrix if
+    given, the output's], whether batched) where ``term`` is a product under index maps of
+    layouts cuBLAS takes as they are, written through them into ``buffer``; else None."""
+    product, out_view, added_view = _product_output(term, buffer, added_read)
     if product is None or product.op != "dot" or 0 in product.shape or product.args[0].shape[-1] == 0:
         return None
     a, b = product.args
-    if not (a.dtype == b.dtype == product.dtype == buffers[out].dtype and product.dtype in DTYPES):
+    if not (a.dtype == b.dtype == product.dtype == buffer.dtype and product.dtype in DTYPES):
         return None
-    views = [strided_view(a), strided_view(b), (out, out_view)]
+    views = [strided_view(a), strided_view(b), (buffer.name, out_view)]
     if any(v is None or v[1] is None for v in views):
         return None
     batched = len(product.shape) > 2
     matrices = []
     for buf, t in views:
-        try:  # a batch of any rank as one dim, as bmm takes it
-            t = t.view(-1, *t.shape[-2:]) if batched else t
-        except RuntimeError:
-            return None
-        if not blas_layout(t.shape[-2:], t.stride()[-2:]) or not aligned(t, ITEMSIZE[product.dtype]):
+        t = _as_batch(t, batched)
+        if t is None or not blas_layout(t.shape[-2:], t.stride()[-2:]) or not aligned(t, ITEMSIZE[product.dtype]):
             return None
         matrices.append(BufRef(buf, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
-    op = "bmm" if batched else "mm"
-    if added is not None:
-        if added.dtype != product.dtype or added_view is None:
+    if added_read is not None:  # torch adds it in any layout (it copies it into the output first)
+        t = _as_batch(added_view[1], batched) if added_view is not None else None
+        if t is None or 0 in t.stride():  # a bias broadcast over rows: the generated kernel's epilogue reads it once
             return None
-        buf, t = added_view
-        if 0 in t.stride():  # a bias broadcast over rows: the generated kernel's epilogue reads it once
-            return None
-        try:
-            t = t.view(-1, *t.shape[-2:]) if batched else t
-        except RuntimeError:
-            return None
-        matrices.insert(2, BufRef(buf, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
-        op = "baddbmm" if batched else "addmm"
-    *_, m, n = product.shape
-    k = a.shape[-1]
-    odd = odd_dims(matrices, ITEMSIZE[product.dtype])
-    tail_at = {dim: size - size % (ALIGNMENT // ITEMSIZE[product.dtype]) for dim, size in odd.items()
-               if split and size >= MIN_SPLIT}
-    if "k" in odd and "k" not in tail_at:
+        matrices.insert(2, BufRef(added_view[0], tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+    return product, matrices, batched
+
+
+def _as_batch(t, batched: bool):
+    """``t``, a batch of any rank viewed as one dim as bmm takes it; None where no view does."""
+    try:
+        return t.view(-1, *t.shape[-2:]) if batched else t
+    except RuntimeError:
         return None
-    batch = f"{matrices[-1].shape[0]} x " if batched else ""
-    plus = " + a matrix" if added is not None else ""
-    splits = "".join(f", {dim.upper()} split {at} + {odd[dim] - at}" for dim, at in tail_at.items())
-    return LibraryCall(spec.name, op, matrices[:-1], matrices[-1],
-                       f"{batch}[{m} x {k}] @ [{k} x {n}]{plus} {product.dtype}{splits}",
-                       list(spec.fx_nodes), tuple(tail_at.items()))
 
 
 def torch_calls(call: LibraryCall) -> list[tuple]:
@@ -132,7 +184,7 @@ def torch_calls(call: LibraryCall) -> list[tuple]:
     ``torch.<op>(*operands, out=out)``, or with ``accumulate`` ``out.<op>_(*operands)``.
     One, or with odd dims split: one per block of the output (M, N), each block two where
     K is split, the tail's product first (the matrix added with it), then the main
-    product added onto it."""
+    product added onto it; then each summed product added onto the output."""
     a, b, *added = call.operands
     split = dict(call.split)
     (m, k), n = a.shape[-2:], b.shape[-1]
@@ -151,6 +203,8 @@ def torch_calls(call: LibraryCall) -> list[tuple]:
             calls.append((call.op, [_window(a, rows, tail), _window(b, tail, cols), *plus], out, False))
             accumulate = "baddbmm" if call.op in ("bmm", "baddbmm") else "addmm"
             calls.append((accumulate, [_window(a, rows, main), _window(b, main, cols)], out, True))
+    accumulate = "baddbmm" if call.op in ("bmm", "baddbmm") else "addmm"
+    calls += [(accumulate, [a, b], out, True) for a, b, out in call.summed]
     return calls
 
 
@@ -159,21 +213,6 @@ def _window(ref: BufRef, rows: tuple, cols: tuple) -> BufRef:
     s_rows, s_cols = ref.strides[-2:]
     offset = ref.offset + rows[0] * s_rows + cols[0] * s_cols
     return BufRef(ref.buf, (*ref.shape[:-2], rows[1] - rows[0], cols[1] - cols[0]), ref.strides, offset)
-
-
-def _sum_of_product(root: PNode) -> tuple:
-    """(the side of ``root`` that is a product under index maps, the plain read added to
-    it, that read's ``strided_view``) where ``root`` is such a sum; else (``root``, None, None)."""
-    if root.op != "binary" or root.attrs[0] != "add":
-        return root, None, None
-    for mine, other in ((0, 1), (1, 0)):
-        node = root.args[mine]
-        while node.op in ("reshape", "permute"):
-            node = node.args[0]
-        read = strided_view(root.args[other]) if node.op == "dot" else None
-        if read is not None:
-            return root.args[mine], root.args[other], read
-    return root, None, None
 
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}

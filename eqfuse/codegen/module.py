@@ -20,6 +20,7 @@ from ..schema.plan import (
 from . import kernel as kgen
 from .kmajor import kmajor_operands
 from .library import library_products, torch_calls
+from .narrowing import narrow_stores
 from .padding import aligned_operands, pad_rows
 from .split import split_reductions
 from .splitk import split_matmuls
@@ -116,7 +117,10 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False) -> None:
     of all, with ``library`` (a plan run on a GPU), plain products become cuBLAS calls
     (codegen/library.py), which none of those passes touches; with ``padded``, before
     that, long rows of odd widths are padded, and products' operands read from such rows
-    read padded copies (codegen/padding.py), and the calls split long odd dims off."""
+    read padded copies (codegen/padding.py), and the calls split long odd dims off. Before
+    everything, buffers that every reader casts to a narrower dtype are stored in it
+    (codegen/narrowing.py)."""
+    narrow_stores(plan)
     if padded:
         pad_rows(plan)
         aligned_operands(plan)

@@ -138,6 +138,7 @@ class LibraryCall:
     description: str  # for explain(): the product's shapes and dtype
     fx_nodes: list = field(default_factory=list)
     split: tuple = ()  # ((dim "m" | "n" | "k", where its odd tail starts), ...): codegen/library.py torch_calls
+    summed: tuple = ()  # ((left, right, out) BufRefs, ...): further products added onto the output, in turn
 
     def __str__(self) -> str:
         return f"{self.name}: torch.{self.op}, {self.description}"
@@ -232,7 +233,7 @@ def step_reads(step) -> set:
     if isinstance(step, KernelSpec):
         return {n.attrs[0] for n in step.walk() if n.op == "load"}
     if isinstance(step, LibraryCall):
-        return {v.buf for v in step.operands}
+        return {v.buf for v in step.operands} | {v.buf for a, b, _ in step.summed for v in (a, b)}
     found = set()
 
     def go(o):
