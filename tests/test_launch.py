@@ -142,6 +142,31 @@ def test_a_held_view_of_an_output_keeps_it_from_being_overwritten():
         assert_matches(got, ref)
 
 
+def _returns_its_input(x, y):
+    return torch.relu(x * 2.0 + y), x, x[3]
+
+
+@gpu
+def test_outputs_that_are_inputs_are_each_calls_own_and_not_kept():
+    """A graph that returns an input or a view of one (a training forward saving it for
+    its backward) returns those of each call's inputs, and its recording keeps none of
+    them: kept, the tensor of the recorded call would hold the memory of the recording
+    that made it, which then never replays again."""
+    import weakref
+    base, y = torch.randn(64, 1000, device="cuda"), torch.randn(64, 1000, device="cuda")
+    compiled = eqfuse.compile(_returns_its_input, (base.view(64, 1000), y))
+    for _ in range(5):
+        base.copy_(torch.randn_like(base))
+        x = base.view(64, 1000)  # the same memory, another tensor each call
+        out, same, row = compiled(x, y)
+        assert same.data_ptr() == x.data_ptr() and row.data_ptr() == x[3].data_ptr() and row.stride() == (1,)
+        assert_matches(out, _returns_its_input(x, y)[0])
+        gone = weakref.ref(x)
+        del x, out, same, row
+        assert gone() is None
+    assert compiled._main.graphs.replays == 4
+
+
 @gpu
 def test_loop_reassigning_its_output_replays():
     x, y = torch.randn(64, 1000, device="cuda"), torch.randn(64, 1000, device="cuda")

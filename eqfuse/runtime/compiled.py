@@ -440,7 +440,8 @@ class _Variant:
         copy_count = len(self.plan.steps) // LAUNCHES_PER_COPY
         module = getattr(self, "module", None)
         deferred = list(deferred_launchers(module).values()) if module is not None else []
-        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count, deferred)
+        name = f"{getattr(self.fn, '__name__', type(self.fn).__name__)} of {len(self.kernels)} kernels"
+        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count, deferred, name)
 
     def explain(self) -> str:
         calls = f"{len(self.library_calls)} cuBLAS call(s), " if self.library_calls else ""

@@ -70,6 +70,9 @@ class _Recording:
     owned: list  # those of them in the recording's memory (not views of inputs)
     storages: list  # their storages
     copied_inputs: list  # where the inputs that move between calls are copied before a replay
+    # output position -> (input position, None or the view's (shape, strides, offset)): outputs
+    # that are inputs, or views of them, which a replay returns of the call's own inputs
+    aliases: dict = field(default_factory=dict)
     alone: list | None = None  # reference counts when only the recording holds them: see seal()
     storage_handles: list = field(default_factory=list)  # the storages' C handles, read once
 
@@ -132,8 +135,9 @@ class GraphReplayer:
     """``replayer(inputs)`` returns what ``launch(*inputs)`` would (a flat list of tensors)."""
 
     def __init__(self, launch: Callable, fixed_inputs: tuple = (), copy_bytes: int = 0, copy_count: int = 0,
-                 deferred: list = ()):
+                 deferred: list = (), name: str = "graph"):
         self.launch = launch
+        self.name = name  # for the debug log
         # Launchers running a twin while their own kernel compiles (parallel_compile._deferrable):
         # a recording made meanwhile would replay the twin for good, so none is made until they run their own
         self.deferred = list(deferred)
@@ -159,17 +163,22 @@ class GraphReplayer:
         recordings = self._recordings.get(self._key(ptrs))
         if recordings is None:
             if len(self._recordings) >= ADDRESS_SETS or not self._second_sighting(ptrs, inputs):
+                log.debug("eqfuse: %s: inputs at new addresses (%d sets recorded): launching kernel by kernel",
+                          self.name, len(self._recordings))
                 return self.launch(*inputs)
             recordings = self._recordings[self._key(ptrs)] = []  # keyed anew: copying in may have just been settled
         for rec in recordings:
             if rec.free():
                 return self._replay(rec, inputs)
         if len(recordings) < RECORDINGS_PER_ADDRESS_SET:
+            log.debug("eqfuse: %s: recording a CUDA graph (%d at these addresses)", self.name, len(recordings))
             rec = self._record(inputs)
             if rec is not None:
                 rec.seal()  # the recording's frame is gone: only ``rec`` holds the outputs
                 recordings.append(rec)
                 return self._replay(rec, inputs)
+        log.debug("eqfuse: %s: the caller holds the outputs of every recording: launching kernel by kernel",
+                  self.name)
         return self.launch(*inputs)
 
     def _replay(self, rec: _Recording, inputs) -> list:
@@ -177,7 +186,12 @@ class GraphReplayer:
             buffer.copy_(inputs[i])
         rec.graph.replay()
         self.replays += 1
-        return rec.outputs
+        if not rec.aliases:
+            return rec.outputs
+        outputs = list(rec.outputs)
+        for position, (i, view) in rec.aliases.items():
+            outputs[position] = inputs[i] if view is None else inputs[i].as_strided(*view)
+        return outputs
 
     def _key(self, ptrs: tuple) -> tuple:
         """The addresses that key a recording: all, or those of the inputs not copied in."""
@@ -238,7 +252,26 @@ class GraphReplayer:
         # An output that is a view of an input is the caller's memory, not the recording's.
         owned = [o for o in tensors if o.untyped_storage().data_ptr() not in caller_owned]
         storages = list({o.untyped_storage().data_ptr(): o.untyped_storage() for o in owned}.values())
-        return _Recording(graph, list(outputs), owned, storages, copied_inputs=copied_inputs)
+        # Nor does the recording keep it: a replay returns it of that call's inputs (at the
+        # same addresses). Kept, it would hold the caller's tensor of the recorded call, and
+        # with it the memory of whatever recording made that tensor: a training step's
+        # logits, which the loss's graph returns for its backward, kept the model's forward
+        # from replaying at all (GPT-2 on an H200: every step launched kernel by kernel).
+        by_storage = {x.untyped_storage().data_ptr(): i for i, x in enumerate(inputs)}
+        by_identity = {id(x): i for i, x in enumerate(inputs)}
+        aliases, kept = {}, list(outputs)
+        for position, o in enumerate(outputs):
+            if not isinstance(o, torch.Tensor):
+                continue
+            if id(o) in by_identity:
+                aliases[position] = (by_identity[id(o)], None)
+            elif o.untyped_storage().data_ptr() in by_storage:
+                aliases[position] = (by_storage[o.untyped_storage().data_ptr()],
+                                     (tuple(o.shape), o.stride(), o.storage_offset()))
+            else:
+                continue
+            kept[position] = None
+        return _Recording(graph, kept, owned, storages, copied_inputs=copied_inputs, aliases=aliases)
 
 
 def _like(x: torch.Tensor) -> torch.Tensor:
