@@ -154,6 +154,71 @@ def test_amax_and_amin_return_nan_where_a_row_holds_one(reduce, cols):
         torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
 
 
+def test_small_integer_powers_are_eagers_products():
+    """x ** 2, 3, -1, -2 as torch's pow kernels compute them (products and a quotient),
+    bit for bit: the square of sqrt(float32's largest) is finite, as in eager."""
+    root = torch.finfo(torch.float32).max ** 0.5
+    x = torch.tensor([root, -root, 3.0, -0.0, 0.0, 1e-30, float("inf"), float("-inf"), float("nan"), 1.1])
+
+    def f(x):
+        return x ** 2, x ** 3, x ** -1, x ** -2
+    c = eqfuse.compile(f, (x,))
+    for got, want in zip(c(x), f(x)):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+        assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0]))
+
+
+def _special_rows(dtype):
+    """Rows of ordinary values, each but the first holding a special value: NaN, +-inf,
+    signed zeros, denormals, the dtype's largest value (whose square overflows)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 37)
+    big = torch.finfo(dtype).max
+    x[1, 3], x[2, 5], x[3, 0] = float("nan"), float("inf"), float("-inf")
+    x[4] = 0.0
+    x[4, ::2] = -0.0
+    x[5] = torch.finfo(dtype).tiny / 4  # denormal
+    x[6, :2] = big
+    x[7, 4], x[7, 9] = float("inf"), float("nan")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ord", [2, 1, 3, 0.5, -1, 0, float("inf"), float("-inf")])
+def test_vector_norms_are_eagers_on_special_values(dtype, ord):
+    """linalg.vector_norm (torch.norm, F.normalize) as torch's reference computes it: in
+    float32 for half precision, without rescaling (the largest float's square overflows
+    to inf in eager too), NaN wherever a row holds one."""
+    x = _special_rows(dtype)
+
+    def f(x):
+        return torch.linalg.vector_norm(x, ord, dim=-1), torch.linalg.vector_norm(x, ord, dim=0, keepdim=True)
+    c = eqfuse.compile(f, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    for got, want in zip(c(x), f(x)):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-3 if dtype == torch.float16 else 1e-5,
+                                   atol=0)
+
+
+def test_normalize_group_norm_repeat_and_addmv_are_kernels():
+    """F.normalize, group norm, repeat and addmv through torch's decompositions: kernels,
+    eager's values on ordinary rows and on rows holding NaN and inf."""
+    x = _special_rows(torch.float32)
+    g = torch.randn(2, 6, 5, 7)
+    g[1, 2, 0, 0] = float("nan")
+    w, b = torch.randn(6), torch.randn(6)
+    m, v = torch.randn(37, 8), torch.randn(37)
+
+    def f(x, g, w, b, m, v):
+        return (torch.nn.functional.normalize(x, dim=-1), torch.nn.functional.group_norm(g, 3, w, b),
+                x.repeat(2, 1, 3), torch.addmv(v, m, x[0].nan_to_num()[:8]))
+    args = (x, g, w, b, m, v)
+    c = eqfuse.compile(f, args)
+    assert len(c.kernels) >= 3 and not c.fallbacks, c.explain()
+    for got, want in zip(c(*args), f(*args)):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
 def test_softmax_over_rows_too_long_for_registers_reads_them_once_for_its_statistics():
     """A log-softmax over a vocabulary-sized row: its max and its sum of exponentials come
     from one pass with a running max (they took three: the max twice, then the sum), and

@@ -65,6 +65,10 @@ MATMUL_FINALISTS_TMA = 8  # the same where each tile shape comes in two forms
 # them alone is a scalar address, not a block of them
 PROGRAM_AXES = frozenset("b")
 
+# x ** e for the exponents torch's pow kernels special-case, as they compute them
+EXACT_POWERS = {2.0: "({a} * {a})", 3.0: "({a} * {a} * {a})", -1.0: "(1.0 / {a})", -2.0: "(1.0 / ({a} * {a}))"}
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -573,6 +577,9 @@ class KernelWriter:
         e = float(exp.attrs[0])
         if e == 0:  # x ** 0 is 1, NaN and zero included
             return self.assign(f"tl.where({a.expr} == {a.expr}, 1.0, 1.0)", a.axes)
+        if e in EXACT_POWERS:  # as torch computes them: products, not exp2(e * log2|x|), whose
+            # rounding overflows where the product does not (a 0.5-norm of the largest float)
+            return self.assign(EXACT_POWERS[e].format(a=a.expr), a.axes)
         if e.is_integer():
             mag = self.assign(f"tl.exp2({e!r} * tl.log2(tl.abs({a.expr})))", a.axes)
             if int(e) % 2 == 0:

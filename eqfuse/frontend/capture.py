@@ -49,6 +49,9 @@ def _make_decomposition_table() -> dict:
         aten.leaky_relu, aten.elu, aten.rms_norm, aten.tril, aten.triu,
         aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
         aten._native_batch_norm_legit, aten.native_batch_norm,
+        # as torch's references compute them (in the accumulation dtype, without rescaling:
+        # a norm of [3e38, 3e38] is inf in eager too): sums, maxima, powers and casts
+        aten.linalg_vector_norm, aten.native_group_norm, aten.repeat, aten.addmv,
     ]))
     # The fused attention ops a backend picks (flash, memory-efficient, cuDNN) stay as they
     # are: graphs traced around them (AOTAutograd's) view their outputs with their strides

@@ -903,6 +903,23 @@ def _reshape(tr, node, x, *args, **kw):
     return _view(tr, node, x, _reshape_term(tr))
 
 
+@handles(aten.as_strided)
+def _as_strided(tr, node, x, size, stride, storage_offset=None):
+    """A view at given strides: folded into an input buffer's strides, as any view is; of
+    a computed value, only where it reads the value's elements in their order from the
+    start (the strides of ``size`` laid out contiguously, over every element of a value
+    laid out so): a reshape. Group norm's decomposition on the CPU views its per-channel
+    scales so."""
+    if isinstance(x, BufferView) and x.foldable:
+        return _view(tr, node, x, None)
+    base = _meta(node.args[0])
+    offset = base.storage_offset() if storage_offset is None else storage_offset
+    if not (base.is_contiguous() and offset == base.storage_offset() and math.prod(size) == base.numel()
+            and tuple(stride) == contiguous_strides(tuple(size))):
+        raise Unsupported("as_strided of a computed value other than as a reshape")
+    return _view(tr, node, x, _reshape_term(tr))
+
+
 @handles(aten.expand)
 def _expand(tr, node, x, *args, **kw):
     return _view(tr, node, x, lambda v, shape: tr.t.Broadcast(v, tr.ivec(shape)))
