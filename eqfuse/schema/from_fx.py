@@ -620,6 +620,7 @@ UNARY_TARGETS = {
     aten.reciprocal: "reciprocal", aten.logical_not: "not", aten.log1p: "log1p", aten.expm1: "expm1",
     aten.isnan: "isnan", aten.isinf: "isinf", aten.log2: "log2", aten.exp2: "exp2", aten.log10: "log10",
     aten.trunc: "trunc", aten.sign: "sign", aten.sgn: "sign", aten.round: "round",
+    aten.signbit: "signbit", prims.signbit: "signbit",
 }
 
 
@@ -628,6 +629,8 @@ def _unary(tr, node, x, *rest, **kw):
     shape, dt = _out(node)
     if op == "round" and (rest or kw.get("decimals") or dt == "float64"):
         raise Unsupported("round to decimals, or of float64")
+    if op == "signbit" and x.dtype != "float32":
+        raise Unsupported(f"signbit of {x.dtype} (its kernel form reads float32's bits)")
     if op in ops.BOOL_UNARY:
         v = tr.operand(x, shape, x.dtype)
         return Computed(tr.mk(tr.t.Unary(op, v), "bool", shape), shape, "bool")
@@ -697,6 +700,18 @@ def _where(tr, node, c, a, b):
     vc = tr.operand(c, shape, "bool")
     return Computed(tr.mk(tr.t.Where(vc, tr.operand(a, shape, dt), tr.operand(b, shape, dt)), dt, shape),
                     shape, dt)
+
+
+@handles(aten.copysign)
+def _copysign(tr, node, a, b):
+    """|a| with b's sign bit (-0.0 and a NaN carrying it count as negative), by the bits."""
+    shape, dt = _out(node)
+    if dt != "float32" or not all(isinstance(x, (int, float)) or x.dtype == "float32" for x in (a, b)):
+        raise Unsupported(f"copysign of {dt} (its kernel form reads float32's bits)")
+    if isinstance(a, (int, float)):
+        raise Unsupported("copysign of a number")
+    v = tr.t.Binary("copysign", tr.operand(a, shape, dt), tr.operand(b, shape, dt))
+    return Computed(tr.mk(v, dt, shape), shape, dt)
 
 
 @handles(aten.clamp, aten.clamp_min, aten.clamp_max)

@@ -71,6 +71,9 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("not", torch.logical_not, "({a} == 0)", 0.5),
     OpDef("isnan", torch.isnan, "({a} != {a})", 0.5),
     OpDef("isinf", torch.isinf, "(tl.abs({a}) == float(\"inf\"))", 0.5),
+    # the sign bit itself, set for -0.0 and for a NaN that carries it (float32 only: a GPU's
+    # conversions between float widths, and its arithmetic, may hand back a NaN unsigned)
+    OpDef("signbit", torch.signbit, "(tl.cast({a}, tl.float32).to(tl.int32, bitcast=True) < 0)", 0.5),
 ]}
 
 BINARY: dict[str, OpDef] = {op.name: op for op in [
@@ -87,6 +90,11 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     # (fmax(-0.0, 0.0) is -0.0 in torch)
     OpDef("fmax", torch.fmax, "tl.where({a} != {a}, {b}, tl.where({b} > {a}, {b}, {a}))"),
     OpDef("fmin", torch.fmin, "tl.where({a} != {a}, {b}, tl.where({b} < {a}, {b}, {a}))"),
+    # a's magnitude bits with b's sign bit, NaN included (float32 only, as signbit)
+    # (tl.cast: a literal operand becomes a value that bitcasts)
+    OpDef("copysign", torch.copysign, "(((tl.cast({a}, tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF) | "
+          "(tl.cast({b}, tl.float32).to(tl.int32, bitcast=True) & (-0x7FFFFFFF - 1))).to(tl.float32, bitcast=True))",
+          0.5),
     OpDef("eq", torch.eq, "({a} == {b})"),
     OpDef("ne", torch.ne, "({a} != {b})"),
     OpDef("lt", torch.lt, "({a} < {b})"),
@@ -106,7 +114,7 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("lshift", torch.bitwise_left_shift, "({a} << {b})", 0.5),
 ]}
 
-BOOL_UNARY = {"not", "isnan", "isinf"}  # unary ops whose result is bool
+BOOL_UNARY = {"not", "isnan", "isinf", "signbit"}  # unary ops whose result is bool
 COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor"}
 
 # Reductions over the last axis: torch reference and the neutral element.
