@@ -108,11 +108,11 @@ def library_call(spec: KernelSpec, buffers: dict, split: bool = True) -> Library
     if "k" in odd and "k" not in tail_at:
         return None
     batch = f"{matrices[-1].shape[0]} x " if batched else ""
-    more = "".join(f" + [{m} x {a.shape[-1]}] @ [{a.shape[-1]} x {n}]" for a, _, _ in summed)
+    further = "".join(f" + [{m} x {a.shape[-1]}] @ [{a.shape[-1]} x {n}]" for a, _, _ in summed)
     plus = " + a matrix" if added is not None else ""
     splits = "".join(f", {dim.upper()} split {at} + {odd[dim] - at}" for dim, at in tail_at.items())
     return LibraryCall(spec.name, op, matrices[:-1], matrices[-1],
-                       f"{batch}[{m} x {k}] @ [{k} x {n}]{more}{plus} {product.dtype}{splits}",
+                       f"{batch}[{m} x {k}] @ [{k} x {n}]{further}{plus} {product.dtype}{splits}",
                        list(spec.fx_nodes), tuple(tail_at.items()), tuple(summed))
 
 
