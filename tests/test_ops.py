@@ -743,3 +743,24 @@ def test_signbit_and_copysign_read_the_sign_bit():
     assert "float32's bits" in half.explain()
     for got, want in zip(half(a.half(), b.half()), f(a.half(), b.half())):
         torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+def test_a_diagonal_of_an_input_is_a_view_of_it():
+    """torch.diagonal of an input folds into its strides: a kernel reads it so (or the
+    output is the input's view, with eager's strides); of a computed value it runs in eager
+    with the reason."""
+    x = torch.randn(5, 6, 7)
+    x[0, 0, 0], x[1, 1, 1] = float("nan"), float("-inf")
+
+    def scaled(x):
+        return torch.diagonal(x, 0, 1, 2) * 2
+    c = eqfuse.compile(scaled, (x,))
+    assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
+    torch.testing.assert_close(c(x), scaled(x), equal_nan=True, rtol=0, atol=0)
+    view = eqfuse.compile(lambda x: torch.diagonal(x, -1, 0, 2), (x,))
+    assert not view.kernels and not view.fallbacks
+    got = view(x)
+    assert got.data_ptr() == torch.diagonal(x, -1, 0, 2).data_ptr() and got.stride() == (7, 43)
+    computed = eqfuse.compile(lambda x: torch.diagonal(x * 3, 1, 1, 2), (x,))
+    assert "diagonal of a computed value" in computed.explain()
+    torch.testing.assert_close(computed(x), torch.diagonal(x * 3, 1, 1, 2), equal_nan=True, rtol=0, atol=0)

@@ -918,6 +918,15 @@ def _reshape(tr, node, x, *args, **kw):
     return _view(tr, node, x, _reshape_term(tr))
 
 
+@handles(aten.diagonal)
+def _diagonal(tr, node, x, *args, **kw):
+    """A diagonal of an input buffer: a view, folded into its strides as any view is (of a
+    computed value, no index map of the schema reads one)."""
+    if isinstance(x, BufferView) and x.foldable:
+        return _view(tr, node, x, None)
+    raise Unsupported("diagonal of a computed value")
+
+
 @handles(aten.as_strided)
 def _as_strided(tr, node, x, size, stride, storage_offset=None):
     """A view at given strides: folded into an input buffer's strides, as any view is; of
