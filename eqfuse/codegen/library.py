@@ -188,6 +188,7 @@ def torch_calls(call: LibraryCall) -> list[tuple]:
     a, b, *added = call.operands
     split = dict(call.split)
     (m, k), n = a.shape[-2:], b.shape[-1]
+    accumulate = "baddbmm" if call.op in ("bmm", "baddbmm") else "addmm"  # out += a @ b
 
     def parts(dim, size):
         return [(0, size)] if dim not in split else [(0, split[dim]), (split[dim], size)]
@@ -201,10 +202,8 @@ def torch_calls(call: LibraryCall) -> list[tuple]:
                 continue
             main, tail = (0, split["k"]), (split["k"], k)
             calls.append((call.op, [_window(a, rows, tail), _window(b, tail, cols), *plus], out, False))
-            accumulate = "baddbmm" if call.op in ("bmm", "baddbmm") else "addmm"
             calls.append((accumulate, [_window(a, rows, main), _window(b, main, cols)], out, True))
-    accumulate = "baddbmm" if call.op in ("bmm", "baddbmm") else "addmm"
-    calls += [(accumulate, [a, b], out, True) for a, b, out in call.summed]
+    calls += [(accumulate, [left, right], into, True) for left, right, into in call.summed]
     return calls
 
 

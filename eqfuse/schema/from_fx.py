@@ -706,10 +706,11 @@ def _where(tr, node, c, a, b):
 def _copysign(tr, node, a, b):
     """|a| with b's sign bit (-0.0 and a NaN carrying it count as negative), by the bits."""
     shape, dt = _out(node)
-    if dt != "float32" or not all(isinstance(x, (int, float)) or x.dtype == "float32" for x in (a, b)):
-        raise Unsupported(f"copysign of {dt} (its kernel form reads float32's bits)")
     if isinstance(a, (int, float)):
         raise Unsupported("copysign of a number")
+    dtypes = [a.dtype] + ([] if isinstance(b, (int, float)) else [b.dtype])
+    if any(d != "float32" for d in (dt, *dtypes)):
+        raise Unsupported(f"copysign of {', '.join(dtypes)} (its kernel form reads float32's bits)")
     v = tr.t.Binary("copysign", tr.operand(a, shape, dt), tr.operand(b, shape, dt))
     return Computed(tr.mk(v, dt, shape), shape, dt)
 
@@ -934,14 +935,13 @@ def _as_strided(tr, node, x, size, stride, storage_offset=None):
     start (the strides of ``size`` laid out contiguously, over every element of a value
     laid out so): a reshape. Group norm's decomposition on the CPU views its per-channel
     scales so."""
-    if isinstance(x, BufferView) and x.foldable:
-        return _view(tr, node, x, None)
     base = _meta(node.args[0])
     offset = base.storage_offset() if storage_offset is None else storage_offset
-    if not (base.is_contiguous() and offset == base.storage_offset() and math.prod(size) == base.numel()
-            and tuple(stride) == contiguous_strides(tuple(size))):
+    in_order = (base.is_contiguous() and offset == base.storage_offset() and math.prod(size) == base.numel()
+                and tuple(stride) == contiguous_strides(tuple(size)))
+    if not (in_order or (isinstance(x, BufferView) and x.foldable)):
         raise Unsupported("as_strided of a computed value other than as a reshape")
-    return _view(tr, node, x, _reshape_term(tr))
+    return _view(tr, node, x, _reshape_term(tr))  # folds where it can
 
 
 @handles(aten.expand)
