@@ -61,10 +61,20 @@ def relative(us: dict, base: str) -> dict:
 
 
 def bench_interleaved(fns: dict, window_ms: float = 50.0) -> dict:
-    """name -> median over ROUNDS rounds, each round timing every contender once, each time
-    over a window of at least ``window_ms``."""
+    """name -> median over ROUNDS rounds (``bench_rounds``)."""
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in bench_rounds(fns, window_ms).items()}
+
+
+def bench_rounds(fns: dict, window_ms: float = 50.0) -> dict:
+    """name -> [microseconds in each of ROUNDS rounds], each round timing every contender
+    once, each time over a window of at least ``window_ms``. Each round starts one
+    contender further on: a GPU drawing its full power for a few hundred milliseconds
+    lowers its clocks, so a contender always timed last in a round of long calls is timed
+    slower (the zoo's training steps on an H200: the same two compiled Llama steps 0.96x
+    in a fixed order, 1.04x rotated; docs/zoo.md)."""
     times: dict = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            times[name].append(bench(fn, window_ms))
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    names = list(fns)
+    for r in range(ROUNDS):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(round(bench(fns[name], window_ms), 1))
+    return times

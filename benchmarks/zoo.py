@@ -35,7 +35,7 @@ for var in ("EQFUSE_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"): 
     os.environ.setdefault(var, tempfile.mkdtemp(prefix=var.lower() + "-"))
 
 import torch  # noqa: E402
-from common import bench_interleaved, save_results  # noqa: E402
+from common import bench_rounds, save_results  # noqa: E402
 
 import eqfuse.backend  # noqa: E402
 from eqfuse import zoo  # noqa: E402
@@ -173,9 +173,11 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
         row["profile"] = {name: kernel_table(fn) for name, fn in fns.items()}
         row["host"] = {name: host_table(fn) for name, fn in fns.items()}
     if not args.no_timing and fns:
-        us = bench_interleaved(fns)
+        rounds = bench_rounds(fns)
+        us = {name: sorted(ts)[len(ts) // 2] for name, ts in rounds.items()}
         for name, t in us.items():
             row["contenders"][name]["us"] = round(t, 1)
+            row["contenders"][name]["us_rounds"] = rounds[name]
         for name in us:
             c = row["contenders"][name]
             c["speedup_vs_eager"] = round(us["eager"] / us[name], 3) if "eager" in us else None
