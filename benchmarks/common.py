@@ -68,10 +68,10 @@ def bench_interleaved(fns: dict, window_ms: float = 50.0) -> dict:
 def bench_rounds(fns: dict, window_ms: float = 50.0) -> dict:
     """name -> [microseconds in each of ROUNDS rounds], each round timing every contender
     once, each time over a window of at least ``window_ms``. Each round starts one
-    contender further on: a GPU drawing its full power for a few hundred milliseconds
-    lowers its clocks, so a contender always timed last in a round of long calls is timed
-    slower (the zoo's training steps on an H200: the same two compiled Llama steps 0.96x
-    in a fixed order, 1.04x rotated; docs/zoo.md)."""
+    contender further on: times drift within a run by a few percent, and a contender
+    always timed last in its round meets the drift first (the zoo's Llama and Qwen2
+    training steps on an H200: eqfuse 0.95x torch.compile in three windows timed last,
+    1.00-1.04x in two windows rotated; docs/zoo.md)."""
     times: dict = {name: [] for name in fns}
     names = list(fns)
     for r in range(ROUNDS):
