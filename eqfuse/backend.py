@@ -201,8 +201,11 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # 1.98 -> 1.24 ms a step with the forward replayed), while a long graph gains nothing
     # and its recordings hold their memory apart from the caching allocator's (Llama
     # layer B8 S2048: 44.5 against 45.9 ms, 16.1 GB at the peak against 12.6).
-    training = _compiler({"cuda_graphs_under_us": TRAINING_GRAPHS_UNDER_US, **options}
-                         if "cuda_graphs" not in options else options)
+    # Their outputs keep eager's strides: a forward's outputs include what its backward
+    # saved, which comes back to the backward graph as it was traced (Options.pad_outputs).
+    kept = {"pad_outputs": False, **options}
+    training = _compiler({"cuda_graphs_under_us": TRAINING_GRAPHS_UNDER_US, **kept}
+                         if "cuda_graphs" not in options else kept)
     compiler = _compiler(options)
     # No decompositions at this level: eqfuse decomposes when it captures each graph, where
     # validation checks the result against the graph as AOTAutograd gave it. (With torch

@@ -154,7 +154,8 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
                 break
             continue
         if _deferred(options, parallel):
-            started = _start_kernels(plan, title, example_inputs, captured.constants, seconds, library)
+            started = _start_kernels(plan, title, example_inputs, captured.constants, seconds, library,
+                                     options.pad_outputs)
         if not options.validate:
             problem = None
             break
@@ -190,7 +191,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         return _rounded(result)
 
     t0 = time.perf_counter()
-    source, infos = generate_module(plan, title, VERSION, library=library)
+    source, infos = generate_module(plan, title, VERSION, library=library, pad_outputs=options.pad_outputs)
     tuning: dict = {}  # seconds spent compiling and first launching kernels, and the pool's outcome
     if device_type == "cuda" and infos:
         from .runtime.autotune import NoRunnableConfig, choose_configs
@@ -286,7 +287,8 @@ def _deferred(options, parallel: bool) -> bool:
     return parallel and not switched_on("EQFUSE_AUTOTUNE", options.autotune)
 
 
-def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict, library: bool):
+def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict, library: bool,
+                   pad_outputs: bool):
     """The plan's module, each kernel in the tile model's first configuration (or the one
     timed for it before), loaded, its kernels compiling in the pool as the build goes on:
     validation, then (with the backend's ``backward_ahead``) a training step's backward
@@ -300,7 +302,7 @@ def _start_kernels(plan, title: str, example_inputs, constants, seconds: dict, l
 
     t0 = time.perf_counter()
     plan = copy.deepcopy(plan)  # code generation splits kernels in place; validation wants them whole
-    source, infos = generate_module(plan, title, VERSION, library=library)
+    source, infos = generate_module(plan, title, VERSION, library=library, pad_outputs=pad_outputs)
     if not infos:
         seconds["codegen"] = time.perf_counter() - t0
         return None

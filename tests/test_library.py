@@ -255,6 +255,56 @@ def test_long_odd_rows_are_padded_for_the_products(cublas, dtype):
     assert all(c.operands[0].buf in padded and row in c.operands[0].strides for c in compiled.library_calls)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_returned_product_with_long_odd_rows_is_returned_padded(cublas, dtype):
+    """GPT-2's LM head: the logits (rows of 1030 here) are the graph's output. Returned
+    with padded rows, as torch.compile returns them, the product is a library call with
+    its odd N split off; the values are eager's."""
+    x, w = torch.randn(24, 40, dtype=dtype), torch.randn(1030, 40, dtype=dtype)
+    compiled = eqfuse.compile(lambda x, w: x @ w.T, [x, w])
+    got = compiled(x, w)
+    assert_matches(got, x @ w.T, contraction=True)
+    row = 1056 if dtype == torch.float32 else 1088
+    assert got.stride() == (row, 1)
+    main = 1028 if dtype == torch.float32 else 1024
+    assert [c.description for c in compiled.library_calls] == [
+        f"[24 x 40] @ [40 x 1030] {str(dtype)[6:]}, N split {main} + {1030 - main}"], compiled.explain()
+
+
+def test_outputs_keep_eager_rows_where_asked_and_in_training_graphs(cublas):
+    """``pad_outputs=False`` keeps eager's strides, and so do the backend's training graphs
+    (a forward's outputs include what its backward saved, traced with eager's strides)."""
+    x, w = torch.randn(24, 40), torch.randn(1030, 40)
+    compiled = eqfuse.compile(lambda x, w: x @ w.T, [x, w], pad_outputs=False)
+    assert compiled(x, w).stride() == (1030, 1) and compiled.library_calls == []
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: (x @ w.T) * 1, backend="eqfuse", options={"autotune": False})
+    wg = w.clone().requires_grad_()
+    out = fn(x, wg)
+    assert out.stride() == (1030, 1)
+    out.sum().backward()
+    torch.testing.assert_close(wg.grad, x.sum(0).expand(1030, 40).contiguous())
+    with torch.no_grad():  # inference: the compiled graph's output is returned padded
+        torch._dynamo.reset()
+        assert fn(x, w).stride() == (1056, 1)
+
+
+def test_a_product_also_returned_as_a_view_keeps_eager_rows(cublas):
+    """An output that is a view of another keeps its strides: its rows stay as eager's,
+    and the product a generated kernel."""
+    x, w = torch.randn(24, 40), torch.randn(1030, 40)
+
+    def fn(x, w):
+        y = x @ w.T
+        return y, y[:, :4]
+
+    compiled = eqfuse.compile(fn, [x, w])
+    for got, expected in zip(compiled(x, w), fn(x, w)):
+        assert_matches(got, expected, contraction=True)
+        assert got.stride() == expected.stride()
+    assert compiled.library_calls == [], compiled.explain()
+
+
 def test_padding_leaves_short_aligned_and_shared_rows():
     from eqfuse.codegen.padding import padded_strides
     assert padded_strides((24, 1030), 4) == (1056, 1)

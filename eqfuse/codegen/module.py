@@ -21,7 +21,7 @@ from . import kernel as kgen
 from .kmajor import kmajor_operands
 from .library import library_products, torch_calls
 from .narrowing import narrow_stores
-from .padding import aligned_operands, pad_rows
+from .padding import aligned_operands, pad_rows, padded_product_outputs
 from .split import split_reductions
 from .splitk import split_matmuls
 from .store_order import order_stores
@@ -108,7 +108,7 @@ def launch_options(info: KernelInfo) -> str:
     return kw
 
 
-def prepare(plan: Plan, library: bool = False, padded: bool = False) -> None:
+def prepare(plan: Plan, library: bool = False, padded: bool = False, pad_outputs: bool = False) -> None:
     """The plan rewritten into the kernels the module launches. Matmuls and reductions too
     narrow to fill the GPU become two kernels (codegen/splitk.py, codegen/split.py; split-K
     first, whose second stage split reductions leave alone). The plan itself is rewritten,
@@ -119,7 +119,9 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False) -> None:
     (codegen/library.py), which none of those passes touches; with ``padded``, before
     that, buffers that products read through a permute are stored in its order where
     cuBLAS then takes more of them (codegen/store_order.py), long rows of odd widths are
-    padded, and products' operands read from such rows read padded copies
+    padded (with ``pad_outputs``, a product's returned output too, where cuBLAS then
+    takes it), and products'
+    operands read from such rows read padded copies
     (codegen/padding.py), and the calls split long odd dims off. Before
     everything, buffers that every reader casts to a narrower dtype are stored in it
     (codegen/narrowing.py)."""
@@ -127,6 +129,8 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False) -> None:
     if padded:
         order_stores(plan)
         pad_rows(plan)
+        if pad_outputs:
+            padded_product_outputs(plan)
         aligned_operands(plan)
     if library:
         library_products(plan, split=padded)
@@ -135,11 +139,13 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False) -> None:
     split_reductions(plan)
 
 
-def generate_module(plan: Plan, title: str, version: str, configs: dict | None = None, library: bool = False):
+def generate_module(plan: Plan, title: str, version: str, configs: dict | None = None, library: bool = False,
+                    pad_outputs: bool = False):
     """Returns (source, [KernelInfo]). ``configs`` maps kernel name -> tuned config;
-    ``library``: plain products as cuBLAS calls (``prepare``)."""
+    ``library``: plain products as cuBLAS calls; ``pad_outputs``: returned products with
+    long odd rows padded for them (``prepare``)."""
     configs = configs or {}
-    prepare(plan, library, padded=library)
+    prepare(plan, library, padded=library, pad_outputs=pad_outputs)
     infos = [kernel_info(k, plan.buffers, configs.get(k.name)) for k in plan.kernels]
     body, rets = call_lines(plan, infos)
     return assemble(title, version, infos, _launcher_line, [b.name for b in plan.inputs], body, rets), infos

@@ -67,6 +67,12 @@ class Options:
     # it in float32 until a store or a cast (Inductor's option of the same name): rules that
     # skip a rounding (the softmax forms flash attention streams) are off under it
     emulate_precision_casts: bool = False
+    # a product the graph returns, with long rows of an odd width (an LM head's logits over
+    # a vocabulary of 50257), is returned with its rows padded to 128 bytes, as
+    # torch.compile returns them, so that cuBLAS takes it (codegen/padding.py): the values
+    # are eager's, the strides are not. The backend's training graphs keep eager's
+    # strides (a saved activation must come back to the backward as it was traced)
+    pad_outputs: bool = True
 
     def __post_init__(self):
         """Options of the wrong kind are named here, not met deep inside a compile."""
@@ -77,7 +83,7 @@ class Options:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise EqfuseError(f"option {name}={value!r}: expected a positive number")
         for name in ("autotune", "validate", "cuda_graphs", "parallel_compile", "plan_cache", "cublas",
-                     "emulate_precision_casts"):
+                     "emulate_precision_casts", "pad_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise EqfuseError(f"option {name}={getattr(self, name)!r}: expected True or False")
         rules = (self.rules,) if isinstance(self.rules, str) else self.rules

@@ -125,7 +125,7 @@ def plan_key(captured, example_inputs, options, device: torch.device, title: str
     inputs = tuple(_tensor_meta(t) for t in example_inputs)
     constants = tuple(_tensor_meta(t) for t in captured.constants)
     chosen = (options.max_enodes, options.max_seconds, tuple(options.rules), options.validate, options.autotune,
-              options.cublas, options.emulate_precision_casts)
+              options.cublas, options.emulate_precision_casts, options.pad_outputs)
     h = hashlib.sha256()
     for part in (FORMAT, _versions(), title, _graph_parts(captured), inputs, constants, chosen,
                  _device_parts(device)):
