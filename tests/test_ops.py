@@ -22,6 +22,10 @@ CASES = {
     "rounding": (lambda x: torch.floor(x * 3) + torch.ceil(x * 3) + torch.reciprocal(x.abs() + 1), 1),
     "log2_exp2_trunc_sign": (lambda x: torch.log2(x.abs() + 1) + torch.log10(x.abs() + 1) + torch.exp2(x)
                              + torch.trunc(x * 3) + torch.sign(x) + torch.round(x * 4), 1),
+    "trig_hyperbolic": (lambda x: torch.tan(x) + torch.sinh(x) + torch.cosh(x) + torch.asinh(x * 3)
+                        + torch.acosh(x.abs() + 1) + torch.atanh(x.clamp(-0.99, 0.99)) + torch.atan(x * 4)
+                        + torch.asin(x.clamp(-1, 1)) + torch.acos(x.clamp(-1, 1)), 1),
+    "atan2_hypot": (lambda x, y: torch.atan2(x, y) + torch.hypot(x, y) + torch.atan2(x, y[:1] * 0 + 2), 2),
     "pow": (lambda x: x ** 2 + x.abs() ** 0.5 + x ** 3 + (x.abs() + 1) ** -0.5 + (x.abs() + 1) ** -1, 1),
     "pow_general": (lambda x: torch.nan_to_num(x ** 1.7, nan=-7.0) + x ** 4 + x ** 5 + (x.abs() + 0.5) ** -2.5
                     + x ** -3, 1),
@@ -96,6 +100,51 @@ def test_unary_op_on_special_values(name):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-37, equal_nan=True)
     else:
         assert torch.equal(got, want)
+
+
+# Every value of these, each sign: magnitudes from 1e-8 to 1e4, steps across [-1.5, 1.5],
+# and approaches to +-1 (where acosh, atanh, asin and acos turn)
+_MAGNITUDES = torch.logspace(-8, 4, 1500)
+DENSE = torch.cat([_MAGNITUDES, -_MAGNITUDES, torch.linspace(-1.5, 1.5, 1501), 1 + torch.logspace(-7, 0, 200),
+                   1 - torch.logspace(-7, -0.01, 200), -1 + torch.logspace(-7, -0.01, 200)]).float()
+
+
+@pytest.mark.parametrize("name", sorted(set(ops.UNARY) - ops.BOOL_UNARY))
+def test_unary_op_within_a_few_ulps_across_its_range(name):
+    """Each float unary op's Triton form within 4e-7 (about 3 ulps of float32) of the value
+    in float64, where torch's float32 result is finite, and NaN where torch's is: tanh lost
+    4e-4 of the value just above 2.4e-4 (2 sigmoid(2x) - 1), expm1 1.3e-3 at 2e-5 (exp(x) -
+    1), atanh 2.5e-2 next to -1, before their forms here."""
+    fn = ops.UNARY[name].torch_fn
+    c = eqfuse.compile(lambda x: fn(x), (DENSE,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want, exact = c(DENSE), fn(DENSE), fn(DENSE.double())
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = want.isfinite()
+    rel = ((got.double() - exact) / exact.abs().clamp_min(1e-30))[finite].abs()
+    assert rel.max() <= 4e-7, (DENSE[finite][rel.argmax()], rel.max())
+
+
+@pytest.mark.parametrize("fn", [torch.atan2, torch.hypot], ids=["atan2", "hypot"])
+def test_atan2_and_hypot_on_every_pair_of_special_values(fn):
+    """Every pair of NaN, infinities, signed zeros, denormals, the largest floats and
+    ordinary values, then random values over twelve decades: NaN where torch has NaN, the
+    infinities and zeros (with their signs) torch has, values within 3e-7 of float64's."""
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0, 0.5,
+               -2.5, 1e-20, 7.0]
+    g = torch.Generator().manual_seed(0)
+    spread = [torch.randn(2000, generator=g) * 10.0 ** torch.randint(-6, 6, (2000,), generator=g) for _ in "ab"]
+    a = torch.cat([torch.tensor(special).repeat_interleave(len(special)), spread[0]])
+    b = torch.cat([torch.tensor(special).repeat(len(special)), spread[1]])
+    c = eqfuse.compile(lambda a, b: fn(a, b), (a, b))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want, exact = c(a, b), fn(a, b), fn(a.double(), b.double())
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = want.isfinite()
+    assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()])
+    assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0]))
+    rel = ((got.double() - exact) / exact.abs().clamp_min(1e-30))[finite].abs()
+    assert rel.max() <= 3e-7, (a[finite][rel.argmax()], b[finite][rel.argmax()], rel.max())
 
 
 def test_maximum_minimum_and_clamp_return_nan_from_either_side():

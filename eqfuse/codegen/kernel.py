@@ -558,14 +558,20 @@ class KernelWriter:
 
     def _emit_unary(self, node, env):
         a = self.emit(node.args[0], env)
-        return self.assign(ops.UNARY[node.attrs[0]].triton.format(a=a.expr), a.axes)
+        return self._stepped(ops.UNARY[node.attrs[0]], {"a": a.expr}, a.axes)
 
     def _emit_binary(self, node, env):
         a, b = self.emit(node.args[0], env), self.emit(node.args[1], env)
         op = ops.BINARY[node.attrs[0]]
         if op.name == "pow":
             return self._emit_pow(node, a)
-        return self.assign(op.triton.format(a=a.expr, b=b.expr), a.axes | b.axes)
+        return self._stepped(op, {"a": a.expr, "b": b.expr}, a.axes | b.axes)
+
+    def _stepped(self, op, names: dict, axes) -> Val:
+        """``op``'s value over the operands ``names``, each of its steps (``lets``) assigned first."""
+        for name, step in op.lets:
+            names[name] = self.assign(step.format(**names), axes).expr
+        return self.assign(op.triton.format(**names), axes)
 
     def _emit_pow(self, node, a):
         """x ** e for a constant e, as exp2(e * log2|x|), with the sign of x for odd integer e.

@@ -620,7 +620,10 @@ UNARY_TARGETS = {
     aten.reciprocal: "reciprocal", aten.logical_not: "not", aten.log1p: "log1p", aten.expm1: "expm1",
     aten.isnan: "isnan", aten.isinf: "isinf", aten.log2: "log2", aten.exp2: "exp2", aten.log10: "log10",
     aten.trunc: "trunc", aten.sign: "sign", aten.sgn: "sign", aten.round: "round",
-    aten.signbit: "signbit", prims.signbit: "signbit",
+    aten.signbit: "signbit", prims.signbit: "signbit", aten.sinh: "sinh", aten.cosh: "cosh", aten.tan: "tan",
+    aten.asinh: "asinh", aten.acosh: "acosh", aten.atanh: "atanh", aten.atan: "atan", aten.asin: "asin",
+    aten.acos: "acos", aten.arcsinh: "asinh", aten.arccosh: "acosh", aten.arctanh: "atanh", aten.arctan: "atan",
+    aten.arcsin: "asin", aten.arccos: "acos",
 }
 
 
@@ -656,7 +659,8 @@ BINARY_TARGETS = {
     aten.minimum: "minimum", aten.eq: "eq", aten.ne: "ne", aten.lt: "lt", aten.le: "le",
     aten.gt: "gt", aten.ge: "ge", aten.logical_and: "and", aten.logical_or: "or",
     aten.logical_xor: "xor", aten.bitwise_and: "and", aten.bitwise_or: "or", aten.bitwise_xor: "xor",
-    prims.div: "div", aten.pow: "pow", aten.fmax: "fmax", aten.fmin: "fmin",
+    prims.div: "div", aten.pow: "pow", aten.fmax: "fmax", aten.fmin: "fmin", aten.atan2: "atan2",
+    aten.arctan2: "atan2", aten.hypot: "hypot",
     aten.bitwise_right_shift: "rshift", aten.__rshift__: "rshift",
     aten.bitwise_left_shift: "lshift", aten.__lshift__: "lshift",
 }

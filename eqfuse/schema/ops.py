@@ -18,15 +18,89 @@ import torch
 class OpDef:
     name: str
     torch_fn: Callable
-    triton: str  # a format string over {a}, {b}
+    triton: str  # a format string over {a}, {b} (and the names ``lets`` binds)
     cost: float = 1.0  # relative compute cost per element, for the cost model
+    # steps bound to names before ``triton``, in order: (name, format string over {a} and
+    # the names bound before it); the code generator assigns each to a variable of its own
+    lets: tuple = ()
 
 
-def _tanh_triton() -> str:
-    # 2*sigmoid(2x)-1: exact to float32 rounding, and portable to the interpreter; below
-    # 2^-12, where x^3/3 is under float32's rounding of x, x itself (its cancellation there
-    # would lose x's digits, and -0.0's sign).
-    return "tl.where(tl.abs({a}) < 2.44140625e-4, {a}, 2.0 * tl.sigmoid(2.0 * {a}) - 1.0)"
+def _stepped(name: str, torch_fn: Callable, form: tuple, cost: float) -> OpDef:
+    """An OpDef from ``form``: (its steps, its value's template)."""
+    lets, triton = form
+    return OpDef(name, torch_fn, triton, cost, lets)
+
+
+# log(u) * (x / (u - 1)) with u = 1 + x corrects the rounding of 1 + x (Goldberg's trick);
+# the ratio first, so that log(u) * x cannot overflow (x = 3e38), and u = inf is inf (the
+# ratio would be inf / inf).
+LOG1P = (("u", "{a} + 1.0"),), \
+    "tl.where({u} == 1.0, {a}, tl.where({u} == float('inf'), {u}, tl.log({u}) * ({a} / ({u} - 1.0))))"
+# (u - 1) * (x / log(u)) with u = exp(x) (Kahan's) for |x| <= 1: the error of u cancels
+# between u - 1, exact there, and log(u); exp(x) - 1 lost up to 1e-3 of the value between
+# 1e-5 and 1e-2 (2e-5: 1.3e-3). u = 1 is x itself (-0.0 keeps its sign). Past 1, u - 1
+# loses nothing (and from -17 on, exp(x)'s denormals would spoil log(u)).
+EXPM1 = (("u", "tl.exp({a})"),), \
+    "tl.where(tl.abs({a}) > 1.0, {u} - 1.0, tl.where({u} == 1.0, {a}, ({u} - 1.0) * ({a} / tl.log({u}))))"
+LN2 = "0.6931471805599453"
+# an odd function from its value {m} at |x|: -0.0 kept (negated as a product: Triton's -m
+# is 0 - m, +0.0 for m = 0)
+ODD = "tl.where({a} < 0, {m} * -1.0, tl.where({a} == 0, {a}, {m}))"
+# e^m / 2 for m = |x| past 88, where e^m overflows while e^m / 2 does not until 89.4: the
+# square of e^(m/2), halved first (exp(m - ln 2) lost the rounding of m - ln 2: 1.4e-6)
+HALF_EXP_PAST_88 = "(0.5 * tl.exp(0.5 * {m})) * tl.exp(0.5 * {m})"
+# sinh |x| = (E + E / (E + 1)) / 2 with E = expm1(|x|), exact near 0
+SINH = (("m", "tl.abs({a})"), ("u", "tl.exp({m})"),
+        ("e", "tl.where({m} > 1.0, {u} - 1.0, tl.where({u} == 1.0, {m}, ({u} - 1.0) * ({m} / tl.log({u}))))"),
+        ("m", "tl.where({m} < 88.0, 0.5 * ({e} + {e} / ({e} + 1.0)), " + HALF_EXP_PAST_88 + ")")), ODD
+COSH = (("m", "tl.abs({a})"), ("u", "tl.exp({m})")), \
+    "tl.where({m} < 88.0, 0.5 * ({u} + 1.0 / {u}), " + HALF_EXP_PAST_88 + ")"
+# asinh |x| = log1p(|x| + x^2 / (1 + sqrt(1 + x^2))), exact near 0; past 2^26, where x^2
+# would lose 1 (and overflow from 1.8e19), log |x| + ln 2
+ASINH = (("m", "tl.abs({a})"), ("v", "{m} + {m} * {m} / (1.0 + tl.sqrt(1.0 + {m} * {m}))"), ("u", "{v} + 1.0"),
+         ("m", f"tl.where({{m}} > 67108864.0, tl.log({{m}}) + {LN2}, "
+               "tl.where({u} == 1.0, {v}, tl.log({u}) * ({v} / ({u} - 1.0))))")), ODD
+# acosh x = log1p(t + sqrt(2t + t^2)) with t = x - 1 (exact near 1); NaN below 1
+ACOSH = (("t", "{a} - 1.0"), ("v", "{t} + tl.sqrt(2.0 * {t} + {t} * {t})"), ("u", "{v} + 1.0")), \
+    (f"tl.where({{a}} < 1.0, float('nan'), tl.where({{a}} > 67108864.0, tl.log({{a}}) + {LN2}, "
+     "tl.where({u} == 1.0, {v}, tl.where({u} == float('inf'), {u}, tl.log({u}) * ({v} / ({u} - 1.0))))))")
+# atanh |x| = log1p(2|x| / (1 - |x|)) / 2, 1 - |x| exact near 1 (at x near -1, 1 + 2x / (1
+# - x) lost the digits: 2.5e-2); +-inf at +-1, NaN past them
+ATANH = (("m", "tl.abs({a})"), ("v", "2.0 * {m} / (1.0 - {m})"), ("u", "{v} + 1.0"),
+         ("m", "0.5 * tl.where({u} == 1.0, {v}, "
+               "tl.where({u} == float('inf'), {u}, tl.log({u}) * ({v} / ({u} - 1.0))))")), \
+    ODD
+# tanh |x| = E / (E + 2) with E = expm1(2|x|); 1 from 20 on (float32's nearest from 9).
+# 2 sigmoid(2x) - 1 lost up to 4e-4 of the value just above 2.4e-4, where it took x itself.
+TANH = (("m", "tl.abs({a})"), ("u", "tl.exp(2.0 * {m})"),
+        ("e", "tl.where({m} > 0.5, {u} - 1.0, "
+              "tl.where({u} == 1.0, 2.0 * {m}, ({u} - 1.0) * (2.0 * {m} / tl.log({u}))))"),
+        ("m", "tl.where({m} > 20.0, 1.0, {e} / ({e} + 2.0))")), ODD
+# atan |x| by Cephes' atanf: reduced to |z| <= tan(pi/8) around 0, pi/4 or pi/2, then an
+# odd polynomial (relative error under 2e-7)
+_ATAN = (("m", "tl.abs({x})"),
+         ("z", "tl.where({m} > 2.414213562373095, -1.0 / {m}, tl.where({m} > 0.41421356237309503, "
+               "({m} - 1.0) / ({m} + 1.0), {m}))"),
+         ("y", "tl.where({m} > 2.414213562373095, 1.5707963267948966, tl.where({m} > 0.41421356237309503, "
+               "0.7853981633974483, 0.0))"),
+         ("s", "{z} * {z}"),
+         ("m", "{y} + ((((0.0805374449538 * {s} - 0.138776856032) * {s} + 0.199777106478) * {s} "
+               "- 0.333329491539) * {s} * {z} + {z})"))
+_ATAN_OF_X = "tl.where({x} < 0, {m} * -1.0, tl.where({x} == 0, {x}, {m}))"
+
+
+def _atan_of(x: str) -> tuple:
+    """The steps of atan of ``x`` (a template over {a}) and its value's template."""
+    return (("x", x), *_ATAN), _ATAN_OF_X
+
+
+ATAN = _atan_of("{a}")
+# asin x = atan(x / sqrt((1 - x)(1 + x))): +-pi/2 at +-1, NaN past them
+ASIN = _atan_of("{a} / tl.sqrt((1.0 - {a}) * (1.0 + {a}))")
+# acos x = 2 atan(sqrt((1 - x) / (1 + x))): exact near 1, pi at -1, NaN past +-1
+ACOS = _atan_of("tl.sqrt((1.0 - {a}) / (1.0 + {a}))")[0], "2.0 * " + _ATAN_OF_X
+# tan x = sin x / cos x: -0.0 keeps its sign, NaN at the infinities
+TAN = (), "(tl.sin({a}) / tl.cos({a}))"
 
 
 UNARY: dict[str, OpDef] = {op.name: op for op in [
@@ -35,7 +109,7 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("log", torch.log, "tl.log({a})", 2),
     OpDef("sqrt", torch.sqrt, "tl.sqrt({a})", 2),
     OpDef("rsqrt", torch.rsqrt, "tl.rsqrt({a})", 2),
-    OpDef("tanh", torch.tanh, _tanh_triton(), 3),
+    _stepped("tanh", torch.tanh, TANH, 3),
     OpDef("sigmoid", torch.sigmoid, "tl.sigmoid({a})", 3),
     OpDef("relu", torch.relu, "tl.where({a} < 0, 0, {a})", 0.5),  # as torch: NaN and -0.0 pass
     OpDef("abs", torch.abs, "tl.abs({a})", 0.5),
@@ -45,15 +119,18 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("floor", torch.floor, "tl.floor({a})", 0.5),
     OpDef("ceil", torch.ceil, "tl.ceil({a})", 0.5),
     OpDef("reciprocal", torch.reciprocal, "(1.0 / {a})", 1),
-    # log(u) * (x / (u - 1)) with u = 1 + x corrects the rounding of 1 + x (Goldberg's
-    # trick); the ratio first, so that log(u) * x cannot overflow (x = 3e38), and u = inf
-    # is inf (the ratio would be inf / inf).
-    OpDef("log1p", torch.log1p,
-          "tl.where({a} + 1.0 == 1.0, {a}, tl.where({a} + 1.0 == float('inf'), {a} + 1.0, "
-          "tl.log({a} + 1.0) * ({a} / (({a} + 1.0) - 1.0))))", 3),
-    OpDef("expm1", torch.expm1,  # x (1 + x / 2) near 0: -0.0 keeps its sign
-          "tl.where(tl.abs({a}) < 1e-5, {a} * (1.0 + 0.5 * {a}), tl.exp({a}) - 1.0)", 3),
+    _stepped("log1p", torch.log1p, LOG1P, 3),
+    _stepped("expm1", torch.expm1, EXPM1, 3),
     OpDef("log2", torch.log2, "tl.log2({a})", 2),
+    _stepped("sinh", torch.sinh, SINH, 4),
+    _stepped("cosh", torch.cosh, COSH, 3),
+    _stepped("tan", torch.tan, TAN, 4),
+    _stepped("asinh", torch.asinh, ASINH, 4),
+    _stepped("acosh", torch.acosh, ACOSH, 4),
+    _stepped("atanh", torch.atanh, ATANH, 4),
+    _stepped("atan", torch.atan, ATAN, 4),
+    _stepped("asin", torch.asin, ASIN, 5),
+    _stepped("acos", torch.acos, ACOS, 5),
     OpDef("exp2", torch.exp2, "tl.exp2({a})", 2),
     # log2(x) * log10(2): within an ulp or two of log10 (exact at 0, inf and NaN)
     OpDef("log10", torch.log10, "(tl.log2({a}) * 0.30102999566398120)", 2),
@@ -76,6 +153,23 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("signbit", torch.signbit, "(tl.cast({a}, tl.float32).to(tl.int32, bitcast=True) < 0)", 0.5),
 ]}
 
+PI = "3.141592653589793"
+# hypot: max(|a|, |b|) sqrt(1 + (min / max)^2), which overflows only where the result does;
+# inf where either is infinite (a NaN beside it too), else NaN where either is NaN
+HYPOT = (("x", "tl.abs({a})"), ("y", "tl.abs({b})"), ("m", "tl.where({x} > {y}, {x}, {y})"),
+         ("n", "tl.where({x} > {y}, {y}, {x})")), \
+    ("tl.where({x} == float('inf'), {x}, tl.where({y} == float('inf'), {y}, tl.where({a} != {a}, {a}, "
+     "tl.where({b} != {b}, {b}, tl.where({m} == 0.0, 0.0, {m} * tl.sqrt(1.0 + ({n} / {m}) * ({n} / {m})))))))")
+# atan2(a, b): atan(|a| / |b|) in [0, pi/2] (pi/4 where both are infinite, 0 where both are
+# zeros), pi minus it where b is negative or -0.0, negated where a is negative or -0.0
+ATAN2 = (("x", "tl.abs({a}) / tl.abs({b})"), *_ATAN,
+         ("m", "tl.where(tl.abs({a}) == float('inf'), tl.where(tl.abs({b}) == float('inf'), 0.7853981633974483, {m}), "
+               "tl.where({a} == 0.0, tl.where({b} == 0.0, 0.0, {m}), {m}))"),
+         ("m", f"tl.where({{b}} < 0.0, {PI} - {{m}}, tl.where({{b}} == 0.0, "
+               f"tl.where(1.0 / {{b}} < 0.0, {PI} - {{m}}, {{m}}), {{m}}))")), \
+    "tl.where({a} < 0.0, {m} * -1.0, tl.where({a} == 0.0, tl.where(1.0 / {a} < 0.0, {m} * -1.0, {m}), {m}))"
+
+
 BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("add", torch.add, "({a} + {b})"),
     OpDef("sub", torch.sub, "({a} - {b})"),
@@ -95,6 +189,8 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("copysign", torch.copysign, "(((tl.cast({a}, tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF) | "
           "(tl.cast({b}, tl.float32).to(tl.int32, bitcast=True) & (-0x7FFFFFFF - 1))).to(tl.float32, bitcast=True))",
           0.5),
+    _stepped("hypot", torch.hypot, HYPOT, 3),
+    _stepped("atan2", torch.atan2, ATAN2, 5),
     OpDef("eq", torch.eq, "({a} == {b})"),
     OpDef("ne", torch.ne, "({a} != {b})"),
     OpDef("lt", torch.lt, "({a} < {b})"),
