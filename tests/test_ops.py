@@ -147,6 +147,50 @@ def test_atan2_and_hypot_on_every_pair_of_special_values(fn):
     assert rel.max() <= 3e-7, (a[finite][rel.argmax()], b[finite][rel.argmax()], rel.max())
 
 
+INT_DIVISIONS = {
+    "floor": lambda x, b: torch.div(x, b, rounding_mode="floor"),
+    "trunc": lambda x, b: torch.div(x, b, rounding_mode="trunc"),
+    "//": lambda x, b: x // b, "remainder": lambda x, b: torch.remainder(x, b), "%": lambda x, b: x % b,
+    "fmod": lambda x, b: torch.fmod(x, b)}
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("divisor", [3, -3, 1, -1, 7])
+@pytest.mark.parametrize("kind", list(INT_DIVISIONS))
+def test_integer_division_by_a_constant(kind, divisor, dtype):
+    """Floor and truncated quotients, Python's and C's remainders, of integers of both signs
+    and the extremes (less the smallest, whose quotient by -1 eager itself traps on), as
+    torch computes them: kernels, no eager step."""
+    info = torch.iinfo(dtype)
+    x = torch.tensor([7, -7, 6, -6, 0, 1, -1, 13, -13, info.max, info.min + 1], dtype=dtype)
+    fn = INT_DIVISIONS[kind]
+    c = eqfuse.compile(lambda x: fn(x, divisor), (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), fn(x, divisor)
+    assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("case", ["a tensor divisor", "floats"])
+def test_divisions_without_a_kernel_form_stay_eager_with_their_reason(case):
+    """A tensor divisor (eager raises at a zero on the CPU, a kernel would hand back a
+    number) and float remainders (no exact fmod on a GPU) run in eager, saying so."""
+    x = torch.tensor([7, -7, 6], dtype=torch.int64)
+    fn, inputs, why = {
+        "a tensor divisor": (lambda x, y: x // y + 1, (x, torch.tensor([2, 3, -4])), "by a tensor"),
+        "floats": (lambda x: torch.remainder(x, 0.3) + 1, (x.float(),), "on float32"),
+    }[case]
+    c = eqfuse.compile(fn, inputs)
+    assert any(why in f.reason for f in c.fallbacks), c.explain()
+    torch.testing.assert_close(c(*inputs), fn(*inputs))
+
+
+def test_integer_division_by_zero_raises_as_eager_does():
+    x = torch.tensor([7, -7, 6], dtype=torch.int64)
+    c = eqfuse.compile(lambda x: (x + 1) % 0 + 1, (x,))
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        c(x)
+
+
 def test_maximum_minimum_and_clamp_return_nan_from_either_side():
     nan = float("nan")
     x, y = torch.tensor([nan, 1.0, 2.0, nan, 5.0]), torch.tensor([1.0, nan, 3.0, nan, -5.0])

@@ -669,6 +669,8 @@ BINARY_TARGETS = {
 def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
     op = BINARY_TARGETS[node.target.overloadpacket]
     shape, dt = _out(node)
+    if op == "div" and rounding_mode is not None and not ops.is_float(dt):
+        return _int_division(tr, node, a, b, "floor" if rounding_mode == "floor" else "trunc")
     if rounding_mode is not None and not (rounding_mode == "trunc" and ops.is_float(dt)):
         raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
     if op == "pow" and not (isinstance(b, (int, float)) and ops.is_float(dt)):
@@ -696,6 +698,52 @@ def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
 
 
 handles(*BINARY_TARGETS)(_binary)
+
+
+@handles(aten.floor_divide)
+def _floor_divide(tr, node, a, b):
+    return _int_division(tr, node, a, b, "floor")
+
+
+@handles(aten.remainder, aten.fmod)
+def _remainder(tr, node, a, b):
+    return _int_division(tr, node, a, b, "fmod" if node.target.overloadpacket is aten.fmod else "remainder")
+
+
+def _int_division(tr, node, a, b, kind: str):
+    """Integer ``a`` divided by a nonzero integer constant ``b``: the quotient rounded toward
+    zero (``trunc``) or down (``floor``), the remainder of a's sign (``fmod``) or of b's
+    (``remainder``, Python's), as torch computes them, from C's quotient and remainder
+    (Triton's // and %). A divisor that is a tensor stays eager: at a zero, eager raises
+    on the CPU, where a kernel would hand back a number. Floats stay eager too: their
+    remainder needs an exact fmod, which a GPU's frem is not."""
+    shape, dt = _out(node)
+    if ops.is_float(dt) or dt == "bool":
+        raise Unsupported(f"{kind} on {dt} (an exact float remainder has no kernel form yet)")
+    if isinstance(b, bool) or not isinstance(b, int) or b == 0:
+        raise Unsupported(f"{kind} by {'a tensor' if not isinstance(b, (int, float)) else repr(b)}: integer "
+                          "division by a nonzero constant only (at a zero divisor eager raises)")
+    va, vb, zero = tr.operand(a, shape, dt), tr.const(b, dt), tr.const(0, dt)
+
+    def mk(term):
+        return tr.mk(term, dt, shape)
+
+    if b == -1:  # C's quotient by -1 overflows at the smallest integer; torch's wraps, as a product does
+        q, r = mk(tr.t.Binary("mul", va, vb)), mk(tr.t.Binary("mul", va, zero))
+    else:
+        q, r = mk(tr.t.Binary("idiv", va, vb)), mk(tr.t.Binary("irem", va, vb))
+    # a nonzero remainder of the other sign than b: floor is one below C's quotient, and
+    # Python's remainder b more than C's
+    off = tr.mk(tr.t.Binary("lt" if b > 0 else "gt", r, zero), "bool", shape)
+    if kind == "trunc":
+        v = q
+    elif kind == "fmod":
+        v = r
+    elif kind == "floor":
+        v = mk(tr.t.Where(off, mk(tr.t.Binary("sub", q, tr.const(1, dt))), q))
+    else:
+        v = mk(tr.t.Where(off, mk(tr.t.Binary("add", r, vb)), r))
+    return Computed(v, shape, dt)
 
 
 @handles(aten.where)

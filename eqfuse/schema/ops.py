@@ -191,6 +191,11 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
           0.5),
     _stepped("hypot", torch.hypot, HYPOT, 3),
     _stepped("atan2", torch.atan2, ATAN2, 5),
+    # On integers: C's quotient toward zero and remainder of the dividend's sign (Triton's
+    # // and %, as LLVM's sdiv and srem); floor division and Python's remainder are built
+    # from them (schema/from_fx.py, _int_division)
+    OpDef("idiv", lambda a, b: torch.div(a, b, rounding_mode="trunc"), "({a} // {b})"),
+    OpDef("irem", torch.fmod, "({a} % {b})"),
     OpDef("eq", torch.eq, "({a} == {b})"),
     OpDef("ne", torch.ne, "({a} != {b})"),
     OpDef("lt", torch.lt, "({a} < {b})"),
