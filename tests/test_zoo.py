@@ -19,7 +19,7 @@ EAGER_OPS = {
     "llama": {"embedding"}, "qwen2": {"embedding"}, "mistral": {"embedding"}, "gpt2": {"embedding"},
     "phi3": {"embedding"}, "gemma2": {"embedding"}, "gpt_neox": {"embedding"},
     "opt": {"embedding", "cumsum"},
-    "mixtral": {"embedding", "cumsum", "div", "empty_permuted", "grouped_mm_fallback", "histc", "index",
+    "mixtral": {"embedding", "cumsum", "empty_permuted", "grouped_mm_fallback", "histc", "index",
                 "index_put", "sort", "topk"},
     "bert": {"embedding", "gather", "index"}, "roberta": {"embedding", "gather", "index", "cumsum"},
     "t5": {"embedding", "index"}, "bart": {"embedding", "index"},
