@@ -29,9 +29,14 @@ def compile(fn, example_inputs, **options) -> CompiledGraph:
     ``autotune`` (time block-size candidates on the GPU), ``validate`` (check the extracted
     plan against the graph on the example inputs; on by default), ``cublas`` (plain
     products as cuBLAS calls on a GPU; on by default), ``emulate_precision_casts`` (round
-    each half-precision result as eager does), and the others of ``eqfuse.Options``.
+    each half-precision result as eager does), ``share_layers`` (a GraphModule of repeated
+    blocks compiled as its parts, the blocks once: a ``LayeredGraph``), and the others of
+    ``eqfuse.Options``.
     """
-    return CompiledGraph(fn, example_inputs, Options.make(**options))
+    from .runtime.layered import layered
+
+    opts = Options.make(**options)
+    return layered(fn, example_inputs, opts) or CompiledGraph(fn, example_inputs, opts)
 
 
 __all__ = [

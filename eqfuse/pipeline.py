@@ -136,8 +136,10 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     from .codegen.module import generate_module
     from .rewrite.validate import mismatch
 
-    def extract_plan():
-        return _extract(captured, options, seconds)
+    def extract_plan(again: bool):
+        if again:  # built once more from scratch: not the shared plan that failed
+            return _extract(captured, options, seconds)
+        return _extracted(captured, example_inputs, options, device, title, seconds)
 
     # A plan that fails validation, or an e-graph the parser finds inconsistent (egglog
     # 13.2 once mixed up string arguments between terms: see terms.py), is built once
@@ -145,7 +147,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
     problem, started = None, None
     for _attempt in range(2):
         try:
-            plan, sat, ext_report = extract_plan()
+            plan, sat, ext_report = extract_plan(again=_attempt > 0)
         except Unsupported as e:
             return eager(str(e))
         except ExtractionError as e:
@@ -217,6 +219,38 @@ def _stored_if_checked(check, key: str, result: dict, inputs) -> str | None:
     if not problem:
         _store_plan(key, result)
     return problem
+
+
+_shared = threading.local()  # .plans: the plans shared_plans() keeps, by plan_cache key
+
+
+@contextmanager
+def shared_plans():
+    """Within it, a graph whose plan was extracted before in it, for the same inputs'
+    metadata and options, takes a copy of that plan instead of extracting its own: the
+    identical layers of a graph compiled in parts (runtime/layered.py). The key is the
+    plan cache's (everything a plan depends on), the copies held in memory only."""
+    outer = getattr(_shared, "plans", None)
+    _shared.plans = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _shared.plans = outer
+
+
+def _extracted(captured, example_inputs, options, device, title: str, seconds: dict):
+    """``_extract``, or within ``shared_plans`` the copy of a plan extracted for an equal graph."""
+    from .runtime import plan_cache
+
+    shared = getattr(_shared, "plans", None)
+    if shared is None:
+        return _extract(captured, options, seconds)
+    key = plan_cache.plan_key(captured, example_inputs, options, device, title)
+    if key not in shared:
+        shared[key] = copy.deepcopy(_extract(captured, options, seconds))
+        return copy.deepcopy(shared[key])
+    plan, sat, ext_report = copy.deepcopy(shared[key])
+    return plan, sat, {**ext_report, "shared": True}
 
 
 def _extract(captured, options, seconds: dict):

@@ -73,6 +73,9 @@ class Options:
     # are eager's, the strides are not. The backend's training graphs keep eager's
     # strides (a saved activation must come back to the backward as it was traced)
     pad_outputs: bool = True
+    # a GraphModule of repeated blocks (a model's layers) is compiled as its parts, the
+    # blocks' plan extracted once and its kernels shared (runtime/layered.py)
+    share_layers: bool = True
 
     def __post_init__(self):
         """Options of the wrong kind are named here, not met deep inside a compile."""
@@ -83,7 +86,7 @@ class Options:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise EqfuseError(f"option {name}={value!r}: expected a positive number")
         for name in ("autotune", "validate", "cuda_graphs", "parallel_compile", "plan_cache", "cublas",
-                     "emulate_precision_casts", "pad_outputs"):
+                     "emulate_precision_casts", "pad_outputs", "share_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise EqfuseError(f"option {name}={getattr(self, name)!r}: expected True or False")
         rules = (self.rules,) if isinstance(self.rules, str) else self.rules
@@ -463,6 +466,8 @@ class _Variant:
                          f"{s['eclasses']} e-classes, stopped: {s['stop_reason']}")
             fired = ", ".join(f"{k}×{v}" for k, v in sorted(s["rules_fired"].items()))
             lines.append(f"  rules fired: {fired or 'none'}")
+        if rep.get("extraction", {}).get("shared"):
+            lines.append("  plan: that of an identical block compiled before it (the figures below are its build's)")
         if "extraction" in rep:
             e = rep["extraction"]
             lines.append(f"  modelled time: {e['plan_cost_us']} us fused vs {e['unfused_cost_us']} us "

@@ -1,0 +1,205 @@
+"""Identical layers found in a graph, so that they are compiled once.
+
+A transformer's layers are one subgraph repeated with other weights: the same ops on the
+same shapes, each layer reading the one before it and values made once before the first
+(the rotary tables, the mask). Compiled whole, the e-graph, the extraction and the code
+grow with the depth: a tiny Llama compiled in 1.2 s with 2 layers and 6.1 s with 8 (its
+extraction 0.35 and 4.6 s; docs/compile-time.md). Split into its layers, the graph is a
+prefix, k blocks of one structure and a suffix: each block is compiled on its own, and
+the blocks after the first take the first one's plan (pipeline.shared_plans).
+
+``layers(gm)`` finds the longest run of equal blocks (``MIN_BLOCKS`` of them at least):
+the sequence of the graph's nodes
+(each an op, its literal arguments, and the shape, dtype and strides of its value) whose
+period covers the most nodes, at least ``MIN_BLOCK`` nodes a block, each block holding a
+matrix product (a repeat without one is a pattern inside a layer, a chain of pointwise ops
+best fused whole). Among the rotations of the period, blocks start where the fewest values
+cross from one block into the next (a residual stream, not the middle of an attention).
+Every block must then be wired as the first one is: the same edges inside it, and the
+values it reads from outside in the same order with the same metadata. Each part becomes a
+GraphModule of its own, its inputs and nodes named by position, so that equal blocks are
+equal graphs.
+
+What a cut costs at run time: the values crossing a block's boundary are stored and read
+once more, and no kernel fuses across it (a residual add with the next layer's norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+MIN_BLOCK = 24  # nodes
+# Blocks, at least: two layers compile whole. The cuts cost little where they fall (a
+# layer's residual is stored either way), but a graph in parts records a CUDA graph per
+# part, and the speed of parts on a GPU is not yet measured (docs/compile-time.md); from
+# three layers on, compile time is what depth costs.
+MIN_BLOCKS = 3
+PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "_grouped_mm"}
+
+
+@dataclass
+class Part:
+    gm: fx.GraphModule
+    inputs: list  # the original graph's nodes it reads, in the order of its placeholders
+    outputs: list  # the original graph's nodes it returns, in order
+    block: int | None  # which of the repeated blocks it is; None for the prefix and the suffix
+
+
+def layers(gm: fx.GraphModule) -> list[Part] | None:
+    """The graph as its prefix, repeated blocks and suffix, or None where it repeats no
+    block as the module docstring says."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]  # the others read these
+    if len(nodes) < 2 * MIN_BLOCK or any(n.op != "call_function" for n in nodes):
+        return None
+    position = {n: i for i, n in enumerate(nodes)}
+    found = _period(nodes)
+    if found is None:
+        return None
+    period, first, last = found  # positions [first, last) repeat with this period
+    count = (last - first) // period
+    if count < MIN_BLOCKS:
+        return None
+    start = _quietest_start(nodes, position, period, first, last - count * period)
+    spans = [(start + i * period, start + (i + 1) * period) for i in range(count)]
+    if not _wired_alike(nodes, position, spans):
+        return None
+    return _parts(gm, nodes, position, spans)
+
+
+def _token(n: fx.Node) -> tuple:
+    """What two nodes at the same place of two equal blocks have in common."""
+    literals = []
+    fx.node.map_aggregate((n.args, n.kwargs), lambda a: literals.append(None if isinstance(a, fx.Node) else repr(a)))
+    return (str(n.target), tuple(literals), tuple(sorted(n.kwargs)), _meta(n))
+
+
+def _op_name(n: fx.Node) -> str:
+    """An ATen op's name without its overload (``mm`` for ``aten.mm.default``)."""
+    return getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
+
+
+def _meta(n: fx.Node) -> tuple:
+    val = n.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        strides = tuple(val.stride()) if val.layout == torch.strided else str(val.layout)
+        return tuple(val.shape), str(val.dtype), strides, val.device.type
+    if isinstance(val, (list, tuple)):
+        return tuple(_meta_of(v) for v in val)
+    return (type(val).__name__,)
+
+
+def _meta_of(val) -> tuple:
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape), str(val.dtype)
+    return (type(val).__name__,)
+
+
+def _period(nodes: list) -> tuple | None:
+    """(period, first, last): the run of positions [first, last), at least two periods
+    long, where each token equals the one a period later, covering the most nodes (the
+    shortest period among equals); periods of at least MIN_BLOCK nodes whose blocks hold
+    a product. None where there is none."""
+    ids: dict = {}
+    seq = np.array([ids.setdefault(_token(n), len(ids)) for n in nodes])
+    products = np.array([_op_name(n) in PRODUCTS for n in nodes])
+    best = None
+    n = len(nodes)
+    for period in range(MIN_BLOCK, n // 2 + 1):
+        same = np.concatenate([[False], seq[:-period] == seq[period:], [False]])
+        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+        for begin, end in zip(edges[::2], edges[1::2]):  # positions i in [begin, end) equal i + period
+            count = (end - begin) // period + 1
+            if count < 2:
+                continue
+            covered = count * period
+            if best is None or covered > best[0]:
+                if products[begin:begin + period].any():
+                    best = (covered, period, int(begin), int(end) + period)
+    return None if best is None else best[1:]
+
+
+def _quietest_start(nodes: list, position: dict, period: int, lo: int, hi: int) -> int:
+    """The start in [lo, hi] of the first block where the fewest values computed before it
+    are read at or after it (the others follow a period apart)."""
+    live = np.zeros(len(nodes) + 2, dtype=np.int64)
+    for i, n in enumerate(nodes):
+        uses = [position.get(u, len(nodes)) for u in n.users]
+        if uses:
+            live[i + 1] += 1
+            live[max(uses) + 1] -= 1
+    crossing = np.cumsum(live)  # crossing[c]: values made before c and read at c or later
+    return min(range(lo, hi + 1), key=lambda c: (crossing[c], c))
+
+
+def _reads(n: fx.Node) -> list:
+    found = []
+    fx.node.map_arg((n.args, n.kwargs), found.append)
+    return found
+
+
+def _wired_alike(nodes: list, position: dict, spans: list) -> bool:
+    """Whether every block has the first one's edges inside it, and reads values from
+    outside it in the same order, of the same metadata."""
+    def wiring(lo, hi):
+        outside: dict = {}
+        edges = []
+        for n in nodes[lo:hi]:
+            for a in _reads(n):
+                p = position.get(a)
+                if p is not None and lo <= p < hi:
+                    edges.append(("in", p - lo))
+                else:
+                    edges.append(("out", outside.setdefault(a, len(outside))))
+        return edges, [_meta(a) for a in outside]
+    first = wiring(*spans[0])
+    return all(wiring(lo, hi) == first for lo, hi in spans[1:])
+
+
+def _parts(gm: fx.GraphModule, nodes: list, position: dict, spans: list) -> list[Part]:
+    """The prefix, the blocks and the suffix as GraphModules, each returning what the
+    parts after it (or the graph's output) read of it; the blocks return the same places
+    of themselves, so that their graphs are equal."""
+    cuts = [(0, spans[0][0], None)] + [(lo, hi, i) for i, (lo, hi) in enumerate(spans)] \
+        + [(spans[-1][1], len(nodes), None)]
+    leaving = set()  # the places in a block of the values read after it, in any block
+    for lo, hi, _ in cuts[1:-1]:
+        for n in nodes[lo:hi]:
+            if any(position.get(u, len(nodes)) >= hi for u in n.users):
+                leaving.add(position[n] - lo)
+    parts = []
+    for lo, hi, block in cuts:
+        if lo == hi:
+            continue
+        members = nodes[lo:hi]
+        if block is not None:
+            outputs = [n for i, n in enumerate(members) if i in leaving]
+        else:
+            outputs = [n for n in members if any(position.get(u, len(nodes)) >= hi for u in n.users)]
+        inputs: dict = {}
+        for n in members:
+            for a in _reads(n):
+                p = position.get(a)
+                if p is None or not lo <= p < hi:
+                    inputs.setdefault(a, None)
+        parts.append(Part(_module(gm, members, list(inputs), outputs), list(inputs), outputs, block))
+    return parts
+
+
+def _module(gm: fx.GraphModule, members: list, inputs: list, outputs: list) -> fx.GraphModule:
+    """``members`` as a graph of their own, reading ``inputs`` as its placeholders and
+    returning ``outputs``; every name by position (equal blocks, equal code)."""
+    graph = fx.Graph()
+    env = {}
+    for i, a in enumerate(inputs):
+        env[a] = graph.placeholder(f"x{i}")
+        env[a].meta = dict(a.meta)
+    for i, n in enumerate(members):
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+        env[n] = graph.create_node(n.op, n.target, args, kwargs, name=f"v{i}")
+        env[n].meta = dict(n.meta)
+    graph.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(gm, graph)

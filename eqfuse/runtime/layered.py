@@ -1,0 +1,167 @@
+"""A graph of repeated layers compiled as its parts, the layers' plan made once.
+
+``layered(fn, example_inputs, options)`` splits a GraphModule into its prefix, its
+repeated blocks and its suffix (frontend/repeats.py) and compiles each part as a graph of
+its own; the blocks after the first take the first one's extracted plan instead of
+translating, saturating and extracting again (pipeline.shared_plans), and their kernels'
+sources are the first one's, which Triton compiles once. Each part keeps what a compiled
+graph has on its own: its variants, its first-call check, its CUDA graph.
+
+A ``LayeredGraph`` is called as a compiled graph is (``call_boxed`` lets go of each value
+after the last part that reads it) and reports the parts' kernels, library calls and
+eager steps together; ``explain()`` shows the prefix, the first block and the suffix.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from ..errors import EqfuseError
+
+log = logging.getLogger("eqfuse")
+
+
+def layered(fn, example_inputs, options) -> LayeredGraph | None:
+    """``fn`` compiled in parts where it is a GraphModule of repeated blocks whose values'
+    metadata it carries (AOTAutograd's and dynamo's graphs do); else None."""
+    from ..frontend.repeats import layers
+
+    if not options.share_layers or not isinstance(fn, fx.GraphModule):
+        return None
+    placeholders = [n for n in fn.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return None
+    try:
+        parts = layers(fn)
+    except Exception as e:  # noqa: BLE001 - finding layers is an optimisation: the graph compiles whole
+        log.info("eqfuse: no layers found: %s: %s", type(e).__name__, e)
+        return None
+    if parts is None:
+        return None
+    given = {**dict(zip(placeholders, example_inputs)), **_attributes(fn)}
+    values = {**{n: n.meta.get("val") for p in parts for n in p.inputs}, **given}
+    if any(not isinstance(values[n], torch.Tensor) for p in parts for n in p.inputs):
+        return None  # a part would read a value whose example it cannot make
+    return LayeredGraph(fn, placeholders, parts, _fakes(values), options)
+
+
+def _fakes(values: dict) -> dict:
+    """Each example value as a fake tensor of one mode (the graph's metadata holds fakes
+    of its tracer's mode, the caller may pass real tensors): each part is then built as a
+    graph handed fake inputs is, and checked on the real ones at its first call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        return {n: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
+                                       requires_grad=v.requires_grad and v.is_leaf) for n, v in values.items()}
+
+
+def _attributes(gm: fx.GraphModule) -> dict:
+    """get_attr node -> the module's tensor it reads (a constant the graph holds)."""
+    found = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            value = gm
+            for name in n.target.split("."):
+                value = getattr(value, name)
+            found[n] = value
+    return found
+
+
+class LayeredGraph:
+    """A GraphModule compiled as its parts, in order (module docstring)."""
+
+    def __init__(self, fn: fx.GraphModule, placeholders: list, parts: list, examples: dict, options):
+        from ..pipeline import shared_plans
+        from .compiled import CompiledGraph
+
+        self.fn, self.options, self.parts = fn, options, parts
+        self._inputs = placeholders
+        self._constants = _attributes(fn)
+        with shared_plans():
+            self.compiled = [CompiledGraph(p.gm, [examples[n] for n in p.inputs], options) for p in parts]
+        output = fn.graph.output_node().args[0]
+        self._output = output
+        last: dict = {}  # value -> the index of the last part reading it (len(parts): the output)
+        for i, p in enumerate(parts):
+            for n in p.inputs:
+                last[n] = i
+        fx.node.map_arg(output, lambda n: last.__setitem__(n, len(parts)))
+        self._dying = [[n for n in p.inputs if last[n] == i] for i, p in enumerate(parts)]
+
+    # --- public face, as CompiledGraph's ---------------------------------------------------------
+    @property
+    def kernels(self) -> list:
+        return [k for c in self.compiled for k in c.kernels]
+
+    @property
+    def fallbacks(self) -> list:
+        return [f for c in self.compiled for f in c.fallbacks]
+
+    @property
+    def library_calls(self) -> list:
+        return [call for c in self.compiled for call in c.library_calls]
+
+    @property
+    def empty_tensors(self) -> list:
+        return [n for c in self.compiled for n in c.empty_tensors]
+
+    @property
+    def source(self) -> str:
+        return "\n".join(c.source for c in self.compiled)
+
+    @property
+    def plan(self):
+        return None  # one per part: self.compiled[i].plan
+
+    @property
+    def report(self) -> dict:
+        blocks = [p for p in self.parts if p.block is not None]
+        return {"layers": {"blocks": len(blocks), "nodes_per_block": len(blocks[0].gm.graph.nodes) - 1
+                           - len(blocks[0].inputs), "parts": len(self.parts)},
+                "seconds": {"total": sum(c.report.get("seconds", {}).get("total", 0.0) for c in self.compiled)},
+                "parts": [c.report for c in self.compiled]}
+
+    def explain(self) -> str:
+        blocks = sum(p.block is not None for p in self.parts)
+        calls = f"{len(self.library_calls)} cuBLAS call(s), " if self.library_calls else ""
+        lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: {len(self.kernels)} "
+                 f"kernel(s), {calls}{len(self.fallbacks)} eager fallback(s), in {len(self.parts)} parts: "
+                 f"{blocks} identical blocks compiled once, with what comes before and after them"]
+        shown = set()
+        for p, c in zip(self.parts, self.compiled):
+            kind = "before the blocks" if p.block is None and not shown else \
+                "after the blocks" if p.block is None else f"block {p.block}"
+            if p.block is not None and "block" in shown:
+                continue
+            shown.add("block" if p.block is not None else kind)
+            lines.append(f"part {kind}{' (each block alike)' if p.block is not None else ''}:")
+            lines += ["  " + line for line in c.explain().splitlines()]
+        return "\n".join(lines)
+
+    def inspect(self, directory=None, arch=None):
+        raise EqfuseError("inspect() takes a graph compiled whole; this one was compiled in parts (its identical "
+                          "layers once): compile it with share_layers=False to inspect it")
+
+    # --- calls -----------------------------------------------------------------------------------
+    def __call__(self, *inputs):
+        return self.call_boxed(list(inputs))
+
+    def call_boxed(self, args: list):
+        """The parts run in turn on ``args``, which it empties; each value is let go of
+        after the last part that reads it."""
+        if len(args) != len(self._inputs):
+            raise EqfuseError(f"the graph takes {len(self._inputs)} inputs, got {len(args)}")
+        env = {**self._constants, **dict(zip(self._inputs, args))}
+        args.clear()
+        for part, compiled, dying in zip(self.parts, self.compiled, self._dying):
+            xs = [env[n] for n in part.inputs]
+            for n in dying:
+                del env[n]
+            outs = compiled.call_boxed(xs)
+            env.update(zip(part.outputs, outs))
+        return fx.node.map_arg(self._output, env.__getitem__)
