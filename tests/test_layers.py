@@ -80,6 +80,7 @@ def test_blocks_are_compiled_once_and_run_as_eager(depth, extractions):
     assert len(graph.kernels) > depth and not graph.fallbacks, graph.explain()
     assert "identical blocks compiled once" in graph.explain()
     assert "that of an identical block" in graph.compiled[2].explain()
+    assert "block 0 (blocks 1 to" in graph.explain()
 
 
 def test_share_layers_off_compiles_the_graph_whole(extractions):

@@ -45,7 +45,11 @@ def layered(fn, example_inputs, options) -> LayeredGraph | None:
     values = {**{n: n.meta.get("val") for p in parts for n in p.inputs}, **given}
     if any(not isinstance(values[n], torch.Tensor) for p in parts for n in p.inputs):
         return None  # a part would read a value whose example it cannot make
-    return LayeredGraph(fn, placeholders, parts, _fakes(values), options)
+    try:
+        return LayeredGraph(fn, placeholders, parts, _fakes(values), options)
+    except EqfuseError as e:  # a part its build refuses: the graph compiles whole, as it would have
+        log.info("eqfuse: compiled whole, not in parts: %s", e)
+        return None
 
 
 def _fakes(values: dict) -> dict:
@@ -132,15 +136,14 @@ class LayeredGraph:
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: {len(self.kernels)} "
                  f"kernel(s), {calls}{len(self.fallbacks)} eager fallback(s), in {len(self.parts)} parts: "
                  f"{blocks} identical blocks compiled once, with what comes before and after them"]
-        shown = set()
-        for p, c in zip(self.parts, self.compiled):
-            kind = "before the blocks" if p.block is None and not shown else \
-                "after the blocks" if p.block is None else f"block {p.block}"
-            if p.block is not None and "block" in shown:
+        for i, (part, compiled) in enumerate(zip(self.parts, self.compiled)):
+            if part.block is None:
+                lines.append("part before the blocks:" if i == 0 else "part after the blocks:")
+            elif part.block == 0:
+                lines.append(f"block 0 (blocks 1 to {blocks - 1} alike):")
+            else:
                 continue
-            shown.add("block" if p.block is not None else kind)
-            lines.append(f"part {kind}{' (each block alike)' if p.block is not None else ''}:")
-            lines += ["  " + line for line in c.explain().splitlines()]
+            lines += ["  " + line for line in compiled.explain().splitlines()]
         return "\n".join(lines)
 
     def inspect(self, directory=None, arch=None):
