@@ -17,7 +17,7 @@ values are the same.
 from __future__ import annotations
 
 from ..schema import ops
-from ..schema.plan import KernelSpec, Plan, PNode, returned_buffers, step_reads, substitute
+from ..schema.plan import Plan, PNode, eager_reads, kernel_writers, returned_buffers, substitute
 
 INDEX_MAPS = ("reshape", "permute")  # above a value: the cast goes under them, on the value itself
 
@@ -25,14 +25,8 @@ INDEX_MAPS = ("reshape", "permute")  # above a value: the cast goes under them, 
 def narrow_stores(plan: Plan) -> None:
     """Rewrite ``plan`` in place as the module docstring says. Running it again changes
     nothing (the narrowed buffers' readers no longer cast)."""
-    shut = set(returned_buffers(plan))
-    writers: dict[str, list] = {}
-    for step in plan.steps:
-        if isinstance(step, KernelSpec):
-            for _, out in step.roots:
-                writers.setdefault(out, []).append(step)
-        else:
-            shut |= step_reads(step)
+    shut = returned_buffers(plan) | eager_reads(plan)
+    writers = kernel_writers(plan)
     casts = _casts_of_loads(plan.kernels)
     for name, (dtype, reading) in casts.items():
         buffer = plan.buffers[name]

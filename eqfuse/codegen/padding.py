@@ -38,8 +38,9 @@ from ..schema.plan import (
     Plan,
     PNode,
     contiguous_strides,
+    eager_reads,
+    kernel_writers,
     returned_buffers,
-    step_reads,
     substitute,
 )
 from .kernel import base_read
@@ -64,10 +65,7 @@ def padded_strides(shape: tuple, itemsize: int) -> tuple | None:
 def pad_rows(plan: Plan) -> None:
     """Rewrite ``plan`` in place: the intermediate buffers described above get padded
     rows, and the kernels' loads of them read them so. Running it again changes nothing."""
-    shut = set(returned_buffers(plan))
-    for step in plan.steps:
-        if not isinstance(step, KernelSpec):
-            shut |= step_reads(step)
+    shut = returned_buffers(plan) | eager_reads(plan)
     candidates = {}
     for name, b in plan.buffers.items():
         if b.kind == "temp" and b.strides is None and name not in shut and b.dtype in ops.DTYPES:
@@ -92,16 +90,9 @@ def padded_product_outputs(plan: Plan) -> None:
     """Rewrite ``plan`` in place: each graph output with long unaligned rows that one
     kernel writes, a product cuBLAS would take but for those rows, gets padded rows (the
     module docstring's last paragraph). Running it again changes nothing."""
-    shut = set()
-    for step in plan.steps:
-        if not isinstance(step, KernelSpec):
-            shut |= step_reads(step)
     returned = {value for kind, value in plan.outputs if kind == "buffer"}
-    shut |= {value.buf for kind, value in plan.outputs if kind == "view"}
-    writers: dict[str, list] = {}
-    for spec in plan.kernels:
-        for _, out in spec.roots:
-            writers.setdefault(out, []).append(spec)
+    shut = eager_reads(plan) | {value.buf for kind, value in plan.outputs if kind == "view"}
+    writers = kernel_writers(plan)
     for name in sorted(returned - shut):
         b = plan.buffers[name]
         strides = padded_strides(tuple(b.shape), ops.itemsize(b.dtype)) if b.dtype in ops.DTYPES else None

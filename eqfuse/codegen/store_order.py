@@ -22,7 +22,16 @@ codegen/padding.py pads rows). The values are the same; only where they lie chan
 from __future__ import annotations
 
 from ..schema import ops
-from ..schema.plan import KernelSpec, Plan, PNode, contiguous_strides, returned_buffers, step_reads, substitute
+from ..schema.plan import (
+    KernelSpec,
+    Plan,
+    PNode,
+    contiguous_strides,
+    eager_reads,
+    kernel_writers,
+    returned_buffers,
+    substitute,
+)
 from .library import library_call
 
 KEEP_RANK = ("slice",)  # between a load and the permute above it: the dims are still the buffer's
@@ -31,14 +40,8 @@ KEEP_RANK = ("slice",)  # between a load and the permute above it: the dims are 
 def order_stores(plan: Plan) -> None:
     """Rewrite ``plan`` in place as the module docstring says. Running it again changes
     nothing (the buffers it orders have strides, and it leaves such buffers alone)."""
-    shut = set(returned_buffers(plan))
-    writers: dict[str, list] = {}
-    for step in plan.steps:
-        if isinstance(step, KernelSpec):
-            for _, out in step.roots:
-                writers.setdefault(out, []).append(step)
-        else:
-            shut |= step_reads(step)
+    shut = returned_buffers(plan) | eager_reads(plan)
+    writers = kernel_writers(plan)
     loads: dict[str, list] = {}  # buffer -> [(kernel, load)]
     for spec in plan.kernels:
         for node in spec.walk():

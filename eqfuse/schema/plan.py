@@ -279,3 +279,23 @@ def returned_buffers(plan: Plan) -> set:
         elif kind == "view":
             names.add(value.buf)
     return names
+
+
+def eager_reads(plan: Plan) -> set:
+    """The buffers a step that is not a kernel reads (an eager step, a library call): laid
+    out and typed as the plan says, whatever a pass would prefer."""
+    reads = set()
+    for step in plan.steps:
+        if not isinstance(step, KernelSpec):
+            reads |= step_reads(step)
+    return reads
+
+
+def kernel_writers(plan: Plan) -> dict:
+    """buffer -> the kernels that write it, in order."""
+    writers: dict[str, list] = {}
+    for spec in plan.kernels:
+        for _, out in spec.roots:
+            writers.setdefault(out, []).append(spec)
+    return writers
+
