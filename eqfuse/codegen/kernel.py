@@ -586,17 +586,26 @@ class KernelWriter:
         if e in EXACT_POWERS:  # as torch computes them: products, not exp2(e * log2|x|), whose
             # rounding overflows where the product does not (a 0.5-norm of the largest float)
             return self.assign(EXACT_POWERS[e].format(a=a.expr), a.axes)
+        # exp2(e * log2|x|) in float64: in float32 the rounding of log2|x|, scaled by e, grew
+        # to 9e-6 of the value (x ** 1.7 at 4e22; torch's powf is within 3e-7) and results
+        # past the denormals' edge came out 0
+        back = "tl.float64" if node.dtype == "float64" else "tl.float32"
+
+        def power(x: str) -> str:
+            return f"tl.exp2({e!r} * tl.log2(({x}).to(tl.float64))).to({back})"
         if e.is_integer():
-            mag = self.assign(f"tl.exp2({e!r} * tl.log2(tl.abs({a.expr})))", a.axes)
+            mag = self.assign(power(f"tl.abs({a.expr})"), a.axes)
             if int(e) % 2 == 0:
                 return mag
-            return self.assign(f"tl.where({a.expr} < 0, -{mag.expr}, {mag.expr})", a.axes)
+            # x's sign, -0.0's too (1 / x < 0), negated as a product (Triton's -m is 0 - m)
+            neg = f"{mag.expr} * -1.0"
+            return self.assign(f"tl.where({a.expr} < 0, {neg}, tl.where(1.0 / {a.expr} < 0, {neg}, {mag.expr}))",
+                               a.axes)
         if e in (0.5, -0.5):  # torch takes these as sqrt and rsqrt (-0.0 ** 0.5 is -0.0)
             return self.assign(f"tl.{'sqrt' if e > 0 else 'rsqrt'}({a.expr})", a.axes)
         # -inf ** e is +inf (e > 0) or +0 (e < 0) for a fractional e, as C's pow has it
         at_minus_inf = "0.0" if e < 0 else "float('inf')"
-        return self.assign(f"tl.where({a.expr} == -float('inf'), {at_minus_inf}, "
-                           f"tl.exp2({e!r} * tl.log2({a.expr})))", a.axes)
+        return self.assign(f"tl.where({a.expr} == -float('inf'), {at_minus_inf}, {power(a.expr)})", a.axes)
 
     def _emit_where(self, node, env):
         c, a, b = (self.emit(x, env) for x in node.args)
