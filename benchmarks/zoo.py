@@ -60,9 +60,14 @@ def published(family: zoo.Family, layers: int | None) -> dict:
     return sizes
 
 
-def contenders(autotune: bool, recompute: bool = False) -> dict:
-    return {"eager": None, "torch.compile": {},
-            "eqfuse": {"backend": "eqfuse", "options": {"autotune": autotune, "recompute": recompute}}}
+def contenders(autotune: bool, recompute: bool = False, whole: bool = False) -> dict:
+    """eager, torch.compile, eqfuse; with ``whole``, eqfuse compiling each graph whole too
+    (``share_layers=False``: its identical layers compiled once each)."""
+    options = {"autotune": autotune, "recompute": recompute}
+    found = {"eager": None, "torch.compile": {}, "eqfuse": {"backend": "eqfuse", "options": options}}
+    if whole:
+        found["eqfuse (whole)"] = {"backend": "eqfuse", "options": {**options, "share_layers": False}}
+    return found
 
 
 def step_fn(model, kwargs: dict, training: bool):
@@ -137,7 +142,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
            "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "contenders": {}}
     exact = float32_output(model, kwargs, training)
     fns, reference = {}, None
-    for name, how in contenders(args.autotune, args.recompute).items():
+    for name, how in contenders(args.autotune, args.recompute, args.whole).items():
         entry = row["contenders"][name] = {}
         try:
             torch._dynamo.reset()
@@ -155,7 +160,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
                 entry["max_rel_err"] = float(f"{err:.3g}")
                 eager_err = row["contenders"]["eager"]["rel_err_vs_fp32"]
                 entry["pass"] = bool(entry["rel_err_vs_fp32"] <= 2 * eager_err + PASS_SLACK)
-            if name == "eqfuse":
+            if name.startswith("eqfuse"):
                 entry.update(eqfuse_graphs())
             if args.warm and how is not None:
                 torch._dynamo.reset()
@@ -273,6 +278,8 @@ def main():
     ap.add_argument("--autotune", action="store_true")
     ap.add_argument("--recompute", action="store_true", help="eqfuse's backend option: the min-cut partitioner")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--whole", action="store_true",
+                    help="also eqfuse with each graph compiled whole (share_layers=False), from 3 layers on")
     ap.add_argument("--profile", action="store_true", help="the kernels of each contender's call (torch.profiler)")
     ap.add_argument("--out")
     args = ap.parse_args()
