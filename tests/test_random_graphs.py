@@ -13,8 +13,10 @@ import eqfuse
 import eqfuse.backend
 
 UNARY = [lambda x: torch.exp(-x.abs()), torch.relu, torch.tanh, torch.sigmoid, torch.abs, torch.neg, torch.sin,
-         torch.nn.functional.gelu, torch.nn.functional.silu, lambda x: x * 0.5]
-BINARY = [torch.add, torch.mul, torch.sub, torch.maximum, torch.minimum, lambda a, b: a / (b.abs() + 1.0)]
+         torch.nn.functional.gelu, torch.nn.functional.silu, lambda x: x * 0.5, torch.atan, torch.asinh,
+         lambda x: torch.expm1(-x.abs())]
+BINARY = [torch.add, torch.mul, torch.sub, torch.maximum, torch.minimum, lambda a, b: a / (b.abs() + 1.0),
+          torch.atan2]
 REDUCE = [torch.sum, torch.amax, torch.mean]
 STEPS = ["unary"] * 4 + ["binary"] * 4 + ["reduce"] * 2 + ["transpose", "softmax", "matmul", "cast", "view"]
 
