@@ -99,6 +99,9 @@ def export_graph(compiled, directory, arch="sm_90") -> Path:
 
 def _exportable_variant(compiled):
     """The compiled graph's main variant, refused if anything in it runs in eager."""
+    if not hasattr(compiled, "_main"):  # a LayeredGraph: one module per part
+        raise ExportError("export takes a graph compiled whole; this one was compiled in parts (its identical "
+                          "layers once): compile it with share_layers=False to export it")
     variant = compiled._main  # the variant compiled for the example inputs
     if getattr(variant, "whole_graph_eager", False):
         reason = variant.fallbacks[0].reason if variant.fallbacks else "unknown reason"

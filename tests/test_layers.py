@@ -180,3 +180,19 @@ def test_blocks_wired_otherwise_are_not_taken_as_equal(odd):
         return x
     parts = layers(torch.fx.symbolic_trace(fn))
     assert (parts is None) == odd
+
+
+def test_export_and_inspect_of_a_graph_in_parts_say_how_to_get_one_whole(tmp_path):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from eqfuse.export import ExportError, export_graph
+    torch.manual_seed(0)
+    model, x = Model(3), torch.randn(2, 6, D)
+    params = dict(model.named_parameters())
+    gm = make_fx(lambda params, x: torch.func.functional_call(model, params, (x,)))(params, x)
+    graph = eqfuse.compile(gm, [*params.values(), x])
+    with pytest.raises(ExportError, match="share_layers=False"):
+        export_graph(graph, tmp_path)
+    with pytest.raises(eqfuse.EqfuseError, match="share_layers=False"):
+        graph.inspect(tmp_path)
+
