@@ -32,7 +32,9 @@ history: deque = deque(maxlen=32)
 MAX_SHAPES = 8  # sets of sizes a graph with symbolic sizes is compiled for; later ones run as traced
 
 
-def _compiler(options: dict):
+def _compiler(options: dict, kind: str):
+    """AOTAutograd's compiler of ``kind`` graphs ("forward", "backward", "inference"):
+    each graph is titled so (its plan, ``explain()``, ``backend.history``)."""
     from . import compile as eqfuse_compile
     from .errors import EqfuseError
 
@@ -49,6 +51,7 @@ def _compiler(options: dict):
         return compiled
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        gm.__name__ = kind  # AOTAutograd's graph, made for this compile: every one was "GraphModule"
         if _symbolic(example_inputs):
             if _sizes_out(gm):
                 log.warning("eqfuse: graph with symbolic sizes among its outputs runs uncompiled")
@@ -204,14 +207,14 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # Their outputs keep eager's strides: a forward's outputs include what its backward
     # saved, which comes back to the backward graph as it was traced (Options.pad_outputs).
     kept = {"pad_outputs": False, **options}
-    training = _compiler({"cuda_graphs_under_us": TRAINING_GRAPHS_UNDER_US, **kept}
-                         if "cuda_graphs" not in options else kept)
-    compiler = _compiler(options)
+    trained = {"cuda_graphs_under_us": TRAINING_GRAPHS_UNDER_US, **kept} if "cuda_graphs" not in options else kept
+    forward, backward = _compiler(trained, "forward"), _compiler(trained, "backward")
+    compiler = _compiler(options, "inference")
     # No decompositions at this level: eqfuse decomposes when it captures each graph, where
     # validation checks the result against the graph as AOTAutograd gave it. (With torch
     # 2.13's core decompositions here, AOTAutograd's own backward of a GPT-2 block on the
     # CPU was wrong, compilers aside.)
-    backend = aot_autograd(fw_compiler=training, bw_compiler=training, inference_compiler=compiler,
+    backend = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=compiler,
                            partition_fn=partition)
     if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in example_inputs):
         from .frontend.capture import plain_bool_masked_attention

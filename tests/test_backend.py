@@ -400,3 +400,19 @@ def test_training_steps_replay_cuda_graphs_around_eager_attention():
     assert forward.fallbacks and backward.fallbacks, backward.explain()  # the attention ops, in eager
     for g in (forward, backward):
         assert g._main.graphs.replays > 0, g._main.graphs.disabled
+
+
+def test_history_titles_each_graph_by_its_kind():
+    """Forward, backward and inference graphs say which they are (all were "GraphModule")."""
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    lin = torch.nn.Linear(8, 8)
+    fn = torch.compile(lambda x: torch.relu(lin(x)).sum(), backend="eqfuse", options={"autotune": False})
+    fn(torch.randn(4, 8)).backward()
+    with torch.no_grad():
+        torch._dynamo.reset()
+        fn(torch.randn(4, 8))
+    titles = [g.explain().splitlines()[0] for g in eqfuse.backend.history]
+    assert [t.split(":")[0] for t in titles] == ["eqfuse plan for forward", "eqfuse plan for backward",
+                                                 "eqfuse plan for inference"], titles
+

@@ -185,7 +185,10 @@ def _parts(gm: fx.GraphModule, nodes: list, position: dict, spans: list) -> list
                 p = position.get(a)
                 if p is None or not lo <= p < hi:
                     inputs.setdefault(a, None)
-        parts.append(Part(_module(gm, members, list(inputs), outputs), list(inputs), outputs, block))
+        part = _module(gm, members, list(inputs), outputs)
+        where = "a block" if block is not None else "after its blocks" if lo else "before its blocks"
+        part.__name__ = f"{getattr(gm, '__name__', 'graph')}, {where}"  # equal for equal blocks: a plan key holds it
+        parts.append(Part(part, list(inputs), outputs, block))
     return parts
 
 
