@@ -181,8 +181,19 @@ class _PerShape:
 TRAINING_GRAPHS_UNDER_US = 2000.0
 
 
-def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **_: Any):
-    """The dynamo backend. ``options`` are ``eqfuse.compile`` options, and two of its own:
+# torch.compile's modes, as eqfuse options (the options a user gives win over them)
+MODES = {
+    "default": {},
+    "max-autotune": {"autotune": True},
+    "max-autotune-no-cudagraphs": {"autotune": True, "cuda_graphs": False},
+    "reduce-overhead": {"cuda_graphs": True},  # training graphs recorded too, however long
+}
+
+
+def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
+                   **_: Any):
+    """The dynamo backend. ``mode``: torch.compile's (``MODES``). ``options`` are
+    ``eqfuse.compile`` options, and two of its own:
     ``recompute`` (default False): True has the backward recompute cheap forward values
     instead of the forward saving them (AOTAutograd's min-cut partitioner, as Inductor
     uses); False saves every value the backward reads. ``backward_ahead`` (default True):
@@ -192,7 +203,10 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch import config as functorch_config
 
-    options = dict(options or {})
+    if (mode or "default") not in MODES:
+        from .errors import EqfuseError
+        raise EqfuseError(f"mode={mode!r}: eqfuse takes torch.compile's modes {', '.join(MODES)}")
+    options = {**MODES[mode or "default"], **(options or {})}
     _ready_triton_ahead(example_inputs, options)
     ahead = options.pop("backward_ahead", True) and hasattr(functorch_config, "force_non_lazy_backward_lowering")
     # Recomputing is not the default: on an H100 (benchmarks/models.py, fp16, training

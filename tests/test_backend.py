@@ -416,3 +416,28 @@ def test_history_titles_each_graph_by_its_kind():
     assert [t.split(":")[0] for t in titles] == ["eqfuse plan for forward", "eqfuse plan for backward",
                                                  "eqfuse plan for inference"], titles
 
+
+@pytest.mark.parametrize("mode, expected", [("max-autotune", {"autotune": True}),
+                                            ("max-autotune-no-cudagraphs", {"autotune": True, "cuda_graphs": False}),
+                                            ("reduce-overhead", {"cuda_graphs": True})])
+def test_torch_compile_modes_become_eqfuse_options(monkeypatch, mode, expected):
+    """torch.compile(..., mode=) was ignored; its modes set eqfuse's options now (an option
+    given beside wins), and a mode eqfuse does not know is named in an error."""
+    import eqfuse as eqfuse_module
+    seen = []
+    real = eqfuse_module.compile
+    monkeypatch.setattr(eqfuse_module, "compile", lambda fn, ex, **o: seen.append(o) or real(fn, ex, **o))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: torch.relu(x) * 2, backend="eqfuse", mode=mode)
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fn(x), torch.relu(x) * 2)
+    assert seen and all(o.items() >= expected.items() for o in seen), seen
+
+
+def test_an_unknown_mode_is_named():
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + 1, backend="eqfuse", mode="fastest-please")
+    with pytest.raises(Exception, match="fastest-please"):
+        fn(torch.randn(3))
+
