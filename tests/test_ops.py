@@ -145,6 +145,43 @@ def test_pow_by_a_constant_within_an_ulp_across_sixty_decades(e):
     assert torch.equal(got[tiny], exact[tiny].float())  # denormal results rounded once, not flushed
 
 
+CUMSUMS = {
+    "position ids": (lambda m: torch.cumsum(m, dim=1).type_as(m) * m,
+                     lambda: torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])),
+    "along dim 0": (lambda x: torch.cumsum(x, 0) * 2, lambda: torch.randn(7, 3)),
+    "int32 kept": (lambda x: torch.cumsum(x, 0, dtype=torch.int32), lambda: torch.arange(9).reshape(3, 3)),
+    "bools": (lambda b: torch.cumsum(b, 1), lambda: torch.arange(22).reshape(2, 11) % 3 == 0),
+    "half": (lambda x: x.cumsum(-1) + 1, lambda: torch.randn(2, 3, 33).half()),
+    "special values": (lambda x: x.cumsum(-1), lambda: torch.tensor([
+        [1.0, float("nan"), 2.0, 3.0], [float("inf"), 1.0, -float("inf"), 1.0], [-0.0, -0.0, 1e-40, 3e38]])),
+}
+
+
+@pytest.mark.parametrize("name", list(CUMSUMS))
+def test_cumsum_as_row_sums(name):
+    """A cumulative sum as the row sums of a triangle of the row (frontend/capture.py):
+    kernels, no eager step; its dtype as torch's (int64 for integers and bools, a dtype
+    asked for kept), NaN and infinities carried on as eager carries them."""
+    fn, make = CUMSUMS[name]
+    x = make()
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), fn(x)
+    assert got.dtype == want.dtype
+    if x.dtype == torch.half:  # float32 sums in another order than eager's scan: rounded to half,
+        want = fn(x.float()).half()  # one may land an ulp from eager's
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-3 if x.dtype == torch.half else 1e-6, atol=1e-6)
+
+
+def test_a_cumsum_too_long_for_row_sums_stays_eager_with_its_reason(monkeypatch):
+    from eqfuse.frontend import capture
+    monkeypatch.setattr(capture, "CUMSUM_WORK", 100)
+    x = torch.randn(4, 33)
+    c = eqfuse.compile(lambda x: x.cumsum(-1) * 2, (x,))
+    assert any("cumsum" in f.reason for f in c.fallbacks), c.explain()
+    torch.testing.assert_close(c(x), x.cumsum(-1) * 2)
+
+
 @pytest.mark.parametrize("fn", [torch.atan2, torch.hypot], ids=["atan2", "hypot"])
 def test_atan2_and_hypot_on_every_pair_of_special_values(fn):
     """Every pair of NaN, infinities, signed zeros, denormals, the largest floats and

@@ -18,10 +18,10 @@ from eqfuse import zoo
 EAGER_OPS = {
     "llama": {"embedding"}, "qwen2": {"embedding"}, "mistral": {"embedding"}, "gpt2": {"embedding"},
     "phi3": {"embedding"}, "gemma2": {"embedding"}, "gpt_neox": {"embedding"},
-    "opt": {"embedding", "cumsum"},
-    "mixtral": {"embedding", "cumsum", "empty_permuted", "grouped_mm_fallback", "histc", "index",
+    "opt": {"embedding"},
+    "mixtral": {"embedding", "empty_permuted", "grouped_mm_fallback", "histc", "index",
                 "index_put", "sort", "topk"},
-    "bert": {"embedding", "gather", "index"}, "roberta": {"embedding", "gather", "index", "cumsum"},
+    "bert": {"embedding", "gather", "index"}, "roberta": {"embedding", "gather", "index"},
     "t5": {"embedding", "index"}, "bart": {"embedding", "index"},
     "vit": {"convolution"},
 }

@@ -62,7 +62,30 @@ def _make_decomposition_table() -> dict:
     # whose CUDA kernel serialises the rows sharing an index (BERT's two token types: a
     # training step's three embedding backwards took 1953 us on an H200, Inductor's 62)
     table.pop(aten.embedding_dense_backward.default, None)
+    table[aten.cumsum.default] = _cumsum_as_row_sums
     return {op: fn for op, fn in table.items() if "scaled_dot_product" not in str(op)}
+
+
+# Prefix sums as row sums: element i of a cumulative sum is the sum over j of x[j] where j
+# <= i, a reduction over a triangle of the row that a kernel reads in place (no n x n
+# tensor is stored). Its work is n times the input's, so only inputs whose elements times
+# the summed length stay below this take it (RoBERTa's and OPT's position ids, 8 x 512 or 4
+# x 1024 tokens; a mixture of experts' counts), the others run ATen's scan in eager.
+CUMSUM_WORK = 1 << 24
+
+
+def _cumsum_as_row_sums(x, dim, dtype=None):
+    n = x.shape[dim] if x.dim() else 1
+    if x.dim() == 0 or x.numel() * n > CUMSUM_WORK:
+        return NotImplemented
+    if dtype is None and not (x.is_floating_point() or x.is_complex()):
+        dtype = torch.int64  # as torch: integers and bools sum in int64
+    x = x.to(dtype) if dtype is not None else x
+    index = torch.arange(n, device=x.device)
+    upto = index[None, :] <= index[:, None]  # [i, j]: j <= i
+    rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(upto, rows, zero).sum(-1, dtype=x.dtype).movedim(-1, dim)  # int32 stays int32
 
 
 class PlainAttention(torch.overrides.TorchFunctionMode):
