@@ -61,8 +61,6 @@ def layers(gm: fx.GraphModule) -> list[Part] | None:
         return None
     period, first, last = found  # positions [first, last) repeat with this period
     count = (last - first) // period
-    if count < MIN_BLOCKS:
-        return None
     start = _quietest_start(nodes, position, period, first, last - count * period)
     spans = [(start + i * period, start + (i + 1) * period) for i in range(count)]
     if not _wired_alike(nodes, position, spans):
@@ -99,10 +97,10 @@ def _meta_of(val) -> tuple:
 
 
 def _period(nodes: list) -> tuple | None:
-    """(period, first, last): the run of positions [first, last), at least two periods
-    long, where each token equals the one a period later, covering the most nodes (the
-    shortest period among equals); periods of at least MIN_BLOCK nodes whose blocks hold
-    a product. None where there is none."""
+    """(period, first, last): the run of positions [first, last), MIN_BLOCKS periods long
+    at least, where each token equals the one a period later, covering the most nodes
+    (the shortest period among equals); periods of at least MIN_BLOCK nodes whose blocks
+    hold a product. None where there is none."""
     ids: dict = {}
     seq = np.array([ids.setdefault(_token(n), len(ids)) for n in nodes])
     products = np.array([_op_name(n) in PRODUCTS for n in nodes])
@@ -113,7 +111,7 @@ def _period(nodes: list) -> tuple | None:
         edges = np.flatnonzero(np.diff(same.astype(np.int8)))
         for begin, end in zip(edges[::2], edges[1::2]):  # positions i in [begin, end) equal i + period
             count = (end - begin) // period + 1
-            if count < 2:
+            if count < MIN_BLOCKS:
                 continue
             covered = count * period
             if best is None or covered > best[0]:
