@@ -235,3 +235,19 @@ def test_a_module_whose_file_goes_away_still_runs(tmp_path, monkeypatch, written
     assert compiled.kernels and not compiled.fallbacks, compiled.explain()
     assert_matches(compiled(x), fn(x))
     assert not list(tmp_path.glob("eqfuse_*.py"))
+
+
+def test_variants_past_the_limit_run_in_eager_and_explain_counts_them(monkeypatch):
+    """A caller feeding ever new shapes compiles MAX_VARIANTS of them; the others run in
+    eager, still right, and explain() says how many signatures the graph holds."""
+    from eqfuse.runtime import compiled as compiled_module
+    monkeypatch.setattr(compiled_module, "MAX_VARIANTS", 2)
+    f = lambda x: torch.relu(x) * 2  # noqa: E731
+    c = eqfuse.compile(f, (torch.randn(3),))
+    for n in (4, 5, 6):
+        x = torch.randn(n)
+        assert_matches(c(x), f(x))
+    kinds = [type(v).__name__ for v in c._variants.values()]
+    assert kinds == ["_Variant", "_Variant", "_EagerVariant", "_EagerVariant"], kinds
+    assert "other input signatures: 3 (the plan above is the example inputs'; 1 compiled, 2 in eager" in c.explain()
+

@@ -152,10 +152,14 @@ def _checked_signature(inputs) -> tuple:
                           "example inputs were (bind other arguments with functools.partial)") from None
 
 
+MAX_VARIANTS = 8  # input signatures a compiled graph compiles for; later new ones run in eager
+
+
 class CompiledGraph:
     """A function compiled for the shapes, dtypes and strides of its example inputs.
 
-    Calling it with inputs of another signature compiles again for those (and keeps both).
+    Calling it with inputs of another signature compiles again for those (and keeps both),
+    up to MAX_VARIANTS signatures; ``explain()`` says how many it holds.
     """
 
     def __init__(self, fn: Callable, example_inputs, options: Options):
@@ -208,7 +212,13 @@ class CompiledGraph:
         return self._main.plan
 
     def explain(self) -> str:
-        return self._main.explain()
+        text = self._main.explain()
+        others = len(self._variants) - 1
+        if others > 0:
+            eager = sum(isinstance(v, _EagerVariant) for v in self._variants.values())
+            text += (f"\n  other input signatures: {others} (the plan above is the example inputs'; "
+                     f"{others - eager} compiled, {eager} in eager, {MAX_VARIANTS} compiled at most)")
+        return text
 
     def inspect(self, directory=None, arch=None):
         """Every kernel's Triton source and compiler stages (TTIR ... PTX, SASS) written to
@@ -239,7 +249,16 @@ class CompiledGraph:
         return variant.run_boxed(args)
 
     def _new_variant(self, inputs: tuple):
-        """Compiled for inputs of a signature not seen yet, or eager where they cannot be."""
+        """Compiled for inputs of a signature not seen yet, or eager where they cannot be,
+        or past MAX_VARIANTS compiled ones (each holds its kernels, buffers and recordings:
+        a caller feeding ever new shapes would grow them without end)."""
+        compiled = sum(isinstance(v, _Variant) for v in self._variants.values())
+        if compiled >= MAX_VARIANTS:
+            log.warning("eqfuse: %d input signatures compiled for this graph already (MAX_VARIANTS); these "
+                        "inputs run in eager (mark the changing sizes dynamic, or compile a graph per size)",
+                        compiled)
+            self._variants[_signature(inputs)] = variant = _EagerVariant(self.fn)
+            return variant
         try:
             return self._variant(inputs)
         except EqfuseError as e:  # inputs this graph cannot take: run them in eager
