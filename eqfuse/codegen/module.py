@@ -120,8 +120,7 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False, pad_outputs
     that, buffers that products read through a permute are stored in its order where
     cuBLAS then takes more of them (codegen/store_order.py), long rows of odd widths are
     padded (with ``pad_outputs``, a product's returned output too, where cuBLAS then
-    takes it), and products'
-    operands read from such rows read padded copies
+    takes it), and products' operands read from such rows read padded copies
     (codegen/padding.py), and the calls split long odd dims off. Before
     everything, buffers that every reader casts to a narrower dtype are stored in it
     (codegen/narrowing.py)."""

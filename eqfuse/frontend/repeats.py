@@ -9,10 +9,9 @@ prefix, k blocks of one structure and a suffix: each block is compiled on its ow
 the blocks after the first take the first one's plan (pipeline.shared_plans).
 
 ``layers(gm)`` finds the longest run of equal blocks (``MIN_BLOCKS`` of them at least):
-the sequence of the graph's nodes
-(each an op, its literal arguments, and the shape, dtype and strides of its value) whose
-period covers the most nodes, at least ``MIN_BLOCK`` nodes a block, each block holding a
-matrix product (a repeat without one is a pattern inside a layer, a chain of pointwise ops
+the period of the sequence of the graph's nodes (each an op, its literal arguments, and
+the shape, dtype and strides of its value) that covers the most nodes, at least
+``MIN_BLOCK`` nodes a block, each block holding a matrix product (a repeat without one is a pattern inside a layer, a chain of pointwise ops
 best fused whole). Among the rotations of the period, blocks start where the fewest values
 cross from one block into the next (a residual stream, not the middle of an attention).
 Every block must then be wired as the first one is: the same edges inside it, and the
@@ -61,7 +60,7 @@ def layers(gm: fx.GraphModule) -> list[Part] | None:
         return None
     period, first, last = found  # positions [first, last) repeat with this period
     count = (last - first) // period
-    start = _quietest_start(nodes, position, period, first, last - count * period)
+    start = _quietest_start(nodes, position, first, last - count * period)
     spans = [(start + i * period, start + (i + 1) * period) for i in range(count)]
     if not _wired_alike(nodes, position, spans):
         return None
@@ -81,18 +80,16 @@ def _op_name(n: fx.Node) -> str:
 
 
 def _meta(n: fx.Node) -> tuple:
-    val = n.meta.get("val")
+    return _meta_of(n.meta.get("val"))
+
+
+def _meta_of(val) -> tuple:
+    """A value's shape, dtype, strides and device (each of a list's, or its type's name)."""
     if isinstance(val, torch.Tensor):
         strides = tuple(val.stride()) if val.layout == torch.strided else str(val.layout)
         return tuple(val.shape), str(val.dtype), strides, val.device.type
     if isinstance(val, (list, tuple)):
         return tuple(_meta_of(v) for v in val)
-    return (type(val).__name__,)
-
-
-def _meta_of(val) -> tuple:
-    if isinstance(val, torch.Tensor):
-        return tuple(val.shape), str(val.dtype)
     return (type(val).__name__,)
 
 
@@ -120,7 +117,7 @@ def _period(nodes: list) -> tuple | None:
     return None if best is None else best[1:]
 
 
-def _quietest_start(nodes: list, position: dict, period: int, lo: int, hi: int) -> int:
+def _quietest_start(nodes: list, position: dict, lo: int, hi: int) -> int:
     """The start in [lo, hi] of the first block where the fewest values computed before it
     are read at or after it (the others follow a period apart)."""
     live = np.zeros(len(nodes) + 2, dtype=np.int64)

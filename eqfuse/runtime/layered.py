@@ -41,12 +41,13 @@ def layered(fn, example_inputs, options) -> LayeredGraph | None:
         return None
     if parts is None:
         return None
-    given = {**dict(zip(placeholders, example_inputs)), **_attributes(fn)}
+    constants = _attributes(fn)
+    given = {**dict(zip(placeholders, example_inputs)), **constants}
     values = {**{n: n.meta.get("val") for p in parts for n in p.inputs}, **given}
     if any(not isinstance(values[n], torch.Tensor) for p in parts for n in p.inputs):
         return None  # a part would read a value whose example it cannot make
     try:
-        return LayeredGraph(fn, placeholders, parts, _fakes(values), options)
+        return LayeredGraph(fn, placeholders, constants, parts, _fakes(values), options)
     except EqfuseError as e:  # a part its build refuses: the graph compiles whole, as it would have
         log.info("eqfuse: compiled whole, not in parts: %s", e)
         return None
@@ -79,13 +80,14 @@ def _attributes(gm: fx.GraphModule) -> dict:
 class LayeredGraph:
     """A GraphModule compiled as its parts, in order (module docstring)."""
 
-    def __init__(self, fn: fx.GraphModule, placeholders: list, parts: list, examples: dict, options):
+    def __init__(self, fn: fx.GraphModule, placeholders: list, constants: dict, parts: list, examples: dict,
+                 options):
         from ..pipeline import shared_plans
         from .compiled import CompiledGraph
 
         self.fn, self.options, self.parts = fn, options, parts
         self._inputs = placeholders
-        self._constants = _attributes(fn)
+        self._constants = constants  # get_attr node -> the module's tensor
         with shared_plans():
             self.compiled = [CompiledGraph(p.gm, [examples[n] for n in p.inputs], options) for p in parts]
         output = fn.graph.output_node().args[0]

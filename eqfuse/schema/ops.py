@@ -31,17 +31,24 @@ def _stepped(name: str, torch_fn: Callable, form: tuple, cost: float) -> OpDef:
     return OpDef(name, torch_fn, triton, cost, lets)
 
 
-# log(u) * (x / (u - 1)) with u = 1 + x corrects the rounding of 1 + x (Goldberg's trick);
-# the ratio first, so that log(u) * x cannot overflow (x = 3e38), and u = inf is inf (the
-# ratio would be inf / inf).
-LOG1P = (("u", "{a} + 1.0"),), \
-    "tl.where({u} == 1.0, {a}, tl.where({u} == float('inf'), {u}, tl.log({u}) * ({a} / ({u} - 1.0))))"
-# (u - 1) * (x / log(u)) with u = exp(x) (Kahan's) for |x| <= 1: the error of u cancels
-# between u - 1, exact there, and log(u); exp(x) - 1 lost up to 1e-3 of the value between
-# 1e-5 and 1e-2 (2e-5: 1.3e-3). u = 1 is x itself (-0.0 keeps its sign). Past 1, u - 1
-# loses nothing (and from -17 on, exp(x)'s denormals would spoil log(u)).
-EXPM1 = (("u", "tl.exp({a})"),), \
-    "tl.where(tl.abs({a}) > 1.0, {u} - 1.0, tl.where({u} == 1.0, {a}, ({u} - 1.0) * ({a} / tl.log({u}))))"
+def _log1p(v: str) -> str:
+    """log1p of ``v`` over a step ``u`` = v + 1 bound before it: log(u) * (v / (u - 1))
+    corrects the rounding of 1 + v (Goldberg's trick); the ratio first, so that log(u) * v
+    cannot overflow (v = 3e38), and u = inf is inf (the ratio would be inf / inf)."""
+    return f"tl.where({{u}} == 1.0, {v}, tl.where({{u}} == float('inf'), {{u}}, tl.log({{u}}) * ({v} / ({{u}} - 1.0))))"
+
+
+def _expm1_near_0(x: str) -> str:
+    """expm1 of ``x``, for |x| <= 1, over a step ``u`` = exp(x) bound before it: (u - 1) *
+    (x / log(u)) (Kahan's), the error of u cancelling between u - 1, exact there, and
+    log(u); u = 1 is x itself (-0.0 keeps its sign). exp(x) - 1 lost up to 1e-3 of the
+    value between 1e-5 and 1e-2 (2e-5: 1.3e-3)."""
+    return f"tl.where({{u}} == 1.0, {x}, ({{u}} - 1.0) * ({x} / tl.log({{u}})))"
+
+
+LOG1P = (("u", "{a} + 1.0"),), _log1p("{a}")
+# past |x| = 1, u - 1 loses nothing (and from -17 on, exp(x)'s denormals would spoil log(u))
+EXPM1 = (("u", "tl.exp({a})"),), f"tl.where(tl.abs({{a}}) > 1.0, {{u}} - 1.0, {_expm1_near_0('{a}')})"
 LN2 = "0.6931471805599453"
 # an odd function from its value {m} at |x|: -0.0 kept (negated as a product: Triton's -m
 # is 0 - m, +0.0 for m = 0)
@@ -51,30 +58,25 @@ ODD = "tl.where({a} < 0, {m} * -1.0, tl.where({a} == 0, {a}, {m}))"
 HALF_EXP_PAST_88 = "(0.5 * tl.exp(0.5 * {m})) * tl.exp(0.5 * {m})"
 # sinh |x| = (E + E / (E + 1)) / 2 with E = expm1(|x|), exact near 0
 SINH = (("m", "tl.abs({a})"), ("u", "tl.exp({m})"),
-        ("e", "tl.where({m} > 1.0, {u} - 1.0, tl.where({u} == 1.0, {m}, ({u} - 1.0) * ({m} / tl.log({u}))))"),
+        ("e", f"tl.where({{m}} > 1.0, {{u}} - 1.0, {_expm1_near_0('{m}')})"),
         ("m", "tl.where({m} < 88.0, 0.5 * ({e} + {e} / ({e} + 1.0)), " + HALF_EXP_PAST_88 + ")")), ODD
 COSH = (("m", "tl.abs({a})"), ("u", "tl.exp({m})")), \
     "tl.where({m} < 88.0, 0.5 * ({u} + 1.0 / {u}), " + HALF_EXP_PAST_88 + ")"
 # asinh |x| = log1p(|x| + x^2 / (1 + sqrt(1 + x^2))), exact near 0; past 2^26, where x^2
 # would lose 1 (and overflow from 1.8e19), log |x| + ln 2
 ASINH = (("m", "tl.abs({a})"), ("v", "{m} + {m} * {m} / (1.0 + tl.sqrt(1.0 + {m} * {m}))"), ("u", "{v} + 1.0"),
-         ("m", f"tl.where({{m}} > 67108864.0, tl.log({{m}}) + {LN2}, "
-               "tl.where({u} == 1.0, {v}, tl.log({u}) * ({v} / ({u} - 1.0))))")), ODD
+         ("m", f"tl.where({{m}} > 67108864.0, tl.log({{m}}) + {LN2}, {_log1p('{v}')})")), ODD
 # acosh x = log1p(t + sqrt(2t + t^2)) with t = x - 1 (exact near 1); NaN below 1
 ACOSH = (("t", "{a} - 1.0"), ("v", "{t} + tl.sqrt(2.0 * {t} + {t} * {t})"), ("u", "{v} + 1.0")), \
-    (f"tl.where({{a}} < 1.0, float('nan'), tl.where({{a}} > 67108864.0, tl.log({{a}}) + {LN2}, "
-     "tl.where({u} == 1.0, {v}, tl.where({u} == float('inf'), {u}, tl.log({u}) * ({v} / ({u} - 1.0))))))")
+    f"tl.where({{a}} < 1.0, float('nan'), tl.where({{a}} > 67108864.0, tl.log({{a}}) + {LN2}, {_log1p('{v}')}))"
 # atanh |x| = log1p(2|x| / (1 - |x|)) / 2, 1 - |x| exact near 1 (at x near -1, 1 + 2x / (1
 # - x) lost the digits: 2.5e-2); +-inf at +-1, NaN past them
 ATANH = (("m", "tl.abs({a})"), ("v", "2.0 * {m} / (1.0 - {m})"), ("u", "{v} + 1.0"),
-         ("m", "0.5 * tl.where({u} == 1.0, {v}, "
-               "tl.where({u} == float('inf'), {u}, tl.log({u}) * ({v} / ({u} - 1.0))))")), \
-    ODD
+         ("m", f"0.5 * {_log1p('{v}')}")), ODD
 # tanh |x| = E / (E + 2) with E = expm1(2|x|); 1 from 20 on (float32's nearest from 9).
 # 2 sigmoid(2x) - 1 lost up to 4e-4 of the value just above 2.4e-4, where it took x itself.
 TANH = (("m", "tl.abs({a})"), ("u", "tl.exp(2.0 * {m})"),
-        ("e", "tl.where({m} > 0.5, {u} - 1.0, "
-              "tl.where({u} == 1.0, 2.0 * {m}, ({u} - 1.0) * (2.0 * {m} / tl.log({u}))))"),
+        ("e", f"tl.where({{m}} > 0.5, {{u}} - 1.0, {_expm1_near_0('2.0 * {m}')})"),
         ("m", "tl.where({m} > 20.0, 1.0, {e} / ({e} + 2.0))")), ODD
 # atan |x| by Cephes' atanf: reduced to |z| <= tan(pi/8) around 0, pi/4 or pi/2, then an
 # odd polynomial (relative error under 2e-7)
@@ -86,7 +88,7 @@ _ATAN = (("m", "tl.abs({x})"),
          ("s", "{z} * {z}"),
          ("m", "{y} + ((((0.0805374449538 * {s} - 0.138776856032) * {s} + 0.199777106478) * {s} "
                "- 0.333329491539) * {s} * {z} + {z})"))
-_ATAN_OF_X = "tl.where({x} < 0, {m} * -1.0, tl.where({x} == 0, {x}, {m}))"
+_ATAN_OF_X = ODD.replace("{a}", "{x}")
 
 
 def _atan_of(x: str) -> tuple:
