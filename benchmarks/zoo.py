@@ -25,6 +25,7 @@ eqfuse compiles with autotune off (the tile model's first choice) unless
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 import tempfile
@@ -126,7 +127,19 @@ def eqfuse_graphs() -> dict:
     whole = [f.reason for g in graphs for f in g.fallbacks if f.node == "<graph>"]
     return {"graphs": len(graphs), "kernels": sum(len(g.kernels) for g in graphs),
             "cublas_calls": sum(len(g.library_calls) for g in graphs), "eager_ops": steps,
-            "graphs_wholly_eager": whole, "explain": [g.explain() for g in graphs]}
+            "graphs_wholly_eager": whole, "compile_phases_s": compile_phases(graphs),
+            "explain": [g.explain() for g in graphs]}
+
+
+def compile_phases(graphs) -> dict:
+    """Seconds of each phase of eqfuse's builds (capture, plan_cache, saturate, extract,
+    validate, codegen, compile, ...), summed over its graphs and their parts; the rest of
+    a first call is dynamo's and AOTAutograd's, and the call itself."""
+    total: collections.Counter = collections.Counter()
+    for g in graphs:
+        for report in g.report.get("parts", [g.report]):
+            total.update(report.get("seconds", {}))
+    return {k: round(v, 2) for k, v in total.items()}
 
 
 def run_family(family: zoo.Family, mode: str, args) -> dict:
@@ -167,6 +180,8 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
                 eqfuse.backend.history.clear()
                 warm = step_fn(torch.compile(model, **how), kwargs, training)
                 entry["compile_s_warm"] = round(timed_first(warm)[0], 2)
+                if name.startswith("eqfuse"):
+                    entry["compile_phases_s_warm"] = compile_phases(eqfuse.backend.history)
                 fn = warm
             entry["peak_mib"] = peak_mib(fn)
             fns[name] = fn

@@ -154,6 +154,46 @@ def test_a_tiny_llama_compiles_its_layers_once(extractions):
     assert counts == {2: 1, 4: 3, 8: 3}
 
 
+class CausalModel(Model):
+    """Model whose blocks read a causal mask made once from ``arange``s."""
+
+    def forward(self, x):
+        rows = torch.arange(x.shape[1])
+        mask = rows[:, None] >= rows[None, :]
+        bias = torch.zeros(x.shape[1], x.shape[1]).masked_fill(~mask, float("-inf"))
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x, bias)
+        return self.out(x).log_softmax(-1)
+
+
+def test_a_mask_made_from_nothing_is_computed_in_each_block():
+    """Passed into the blocks, the mask is a tensor their attention loads; made inside
+    each (it reads no input), the attention sees the comparison of positions it is and
+    skips the tiles it masks out, as the graph compiled whole does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    torch.manual_seed(0)
+    model, x = CausalModel(3), torch.randn(2, 8, D)
+    params = dict(model.named_parameters())
+
+    def flat(*args):
+        return torch.func.functional_call(model, dict(zip(params, args[:-1])), (args[-1],))
+    gm = make_fx(flat)(*params.values(), x)
+    parts = layers(gm)
+    prefix, blocks = parts[0], [p for p in parts if p.block is not None]
+    def ops(part):
+        return {str(n.target) for n in part.gm.graph.nodes if n.op == "call_function"}
+    assert not any("arange" in op for op in ops(prefix)), prefix.gm.graph
+    assert all("aten.arange.default" in ops(b) and "aten.ge.Tensor" in ops(b) for b in blocks), ops(blocks[0])
+    graph = eqfuse.compile(gm, [*params.values(), x], autotune=False)
+    whole = eqfuse.compile(gm, [*params.values(), x], autotune=False, share_layers=False)
+    assert isinstance(graph, LayeredGraph)
+    skipping = [line for line in graph.explain().splitlines() if "other tiles skipped" in line]
+    assert len(skipping) == 1 and whole.explain().count("other tiles skipped") == 3, graph.explain()
+    with torch.no_grad():
+        assert_matches(graph(*params.values(), x), model(x), contraction=True)
+
+
 def test_a_chain_of_pointwise_ops_is_not_cut():
     """A repeat without a product is no layer: a chain fuses whole."""
     def chain(x):

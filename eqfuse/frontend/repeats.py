@@ -11,13 +11,19 @@ the blocks after the first take the first one's plan (pipeline.shared_plans).
 ``layers(gm)`` finds the longest run of equal blocks (``MIN_BLOCKS`` of them at least):
 the period of the sequence of the graph's nodes (each an op, its literal arguments, and
 the shape, dtype and strides of its value) that covers the most nodes, at least
-``MIN_BLOCK`` nodes a block, each block holding a matrix product (a repeat without one is a pattern inside a layer, a chain of pointwise ops
-best fused whole). Among the rotations of the period, blocks start where the fewest values
-cross from one block into the next (a residual stream, not the middle of an attention).
-Every block must then be wired as the first one is: the same edges inside it, and the
-values it reads from outside in the same order with the same metadata. Each part becomes a
-GraphModule of its own, its inputs and nodes named by position, so that equal blocks are
-equal graphs.
+``MIN_BLOCK`` nodes a block, each block holding a matrix product (a repeat without one
+is a pattern inside a layer, a chain of pointwise ops best fused whole). Among the
+rotations of the period, blocks start where the fewest values cross from one block into
+the next (a residual stream, not the middle of an attention). Every block must then be
+wired as the first one is: the same edges inside it, and the values it reads from
+outside in the same order with the same metadata. Each part becomes a GraphModule of its
+own, its inputs and nodes named by position, so that equal blocks are equal graphs.
+
+A value made before the blocks from no input at all (a causal mask from ``arange``s, a
+position bias) is computed again inside each block rather than passed to it: passed, it
+is a tensor the attention must load; computed in the block, the rules see the ``iota``
+comparison it is, and the attention skips the tiles it masks out (GPT-2's layers ran 10%
+slower on an H200 with the mask passed in).
 
 What a cut costs at run time: the values crossing a block's boundary are stored and read
 once more, and no kernel fuses across it (a residual add with the next layer's norm).
@@ -37,6 +43,7 @@ MIN_BLOCK = 24  # nodes
 # part, and the speed of parts on a GPU is not yet measured (docs/compile-time.md); from
 # three layers on, compile time is what depth costs.
 MIN_BLOCKS = 3
+RECOMPUTED_NODES = 64  # at most, in the cone of a value that each block computes again
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "_grouped_mm"}
 
 
@@ -165,6 +172,7 @@ def _parts(gm: fx.GraphModule, nodes: list, position: dict, spans: list) -> list
         for n in nodes[lo:hi]:
             if any(position.get(u, len(nodes)) >= hi for u in n.users):
                 leaving.add(position[n] - lo)
+    recomputed = _made_from_nothing(nodes[:spans[0][0]])
     parts = []
     for lo, hi, block in cuts:
         if lo == hi:
@@ -172,19 +180,61 @@ def _parts(gm: fx.GraphModule, nodes: list, position: dict, spans: list) -> list
         members = nodes[lo:hi]
         if block is not None:
             outputs = [n for i, n in enumerate(members) if i in leaving]
+            members = _cones(members, recomputed, position) + members
         else:
-            outputs = [n for n in members if any(position.get(u, len(nodes)) >= hi for u in n.users)]
-        inputs: dict = {}
-        for n in members:
-            for a in _reads(n):
-                p = position.get(a)
-                if p is None or not lo <= p < hi:
-                    inputs.setdefault(a, None)
+            outputs = [n for n in members if any(position.get(u, len(nodes)) >= hi
+                                                 and not (n in recomputed and _in_block(u, position, spans))
+                                                 for u in n.users)]
+            if lo == 0:
+                members = _needed(members, outputs)
+        inside = set(members)
+        inputs = {a: None for n in members for a in _reads(n) if a not in inside}
         part = _module(gm, members, list(inputs), outputs)
         where = "a block" if block is not None else "after its blocks" if lo else "before its blocks"
         part.__name__ = f"{getattr(gm, '__name__', 'graph')}, {where}"  # equal for equal blocks: a plan key holds it
         parts.append(Part(part, list(inputs), outputs, block))
     return parts
+
+
+def _made_from_nothing(prefix: list) -> set:
+    """The prefix's nodes computed from no input (no placeholder, no attribute, no random
+    draw), their cones at most RECOMPUTED_NODES nodes and free of products."""
+    cone: dict = {}  # node -> its ancestors in the prefix (itself included), or None
+    for n in prefix:
+        reads = _reads(n)
+        pure = (n.op == "call_function" and _op_name(n) not in PRODUCTS
+                and not getattr(n.target, "_nondeterministic_seeded", False)
+                and all(cone.get(a) is not None for a in reads))
+        ancestors = {n}.union(*(cone[a] for a in reads)) if pure else None
+        cone[n] = ancestors if ancestors is not None and len(ancestors) <= RECOMPUTED_NODES else None
+    return {n for n, c in cone.items() if c is not None}
+
+
+def _cones(members: list, recomputed: set, position: dict) -> list:
+    """The recomputed nodes that ``members`` read, with what they read, in graph order."""
+    found: set = set()
+    todo = [a for n in members for a in _reads(n) if a in recomputed]
+    while todo:
+        a = todo.pop()
+        if a not in found:
+            found.add(a)
+            todo.extend(_reads(a))
+    return sorted(found, key=position.__getitem__)
+
+
+def _in_block(n: fx.Node, position: dict, spans: list) -> bool:
+    p = position.get(n)
+    return p is not None and spans[0][0] <= p < spans[-1][1]
+
+
+def _needed(members: list, outputs: list) -> list:
+    """The members that ``outputs`` depend on (or that have effects), in order."""
+    kept = set(outputs)
+    for n in reversed(members):
+        if n in kept or n.is_impure():
+            kept.add(n)
+            kept.update(_reads(n))
+    return [n for n in members if n in kept]
 
 
 def _module(gm: fx.GraphModule, members: list, inputs: list, outputs: list) -> fx.GraphModule:
