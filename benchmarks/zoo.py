@@ -43,8 +43,6 @@ from eqfuse import zoo  # noqa: E402
 
 # (batch, tokens) by the kind of model; ViT: (images, -)
 SIZES = {zoo.DECODER: (4, 1024), zoo.ENCODER: (8, 512), zoo.SEQ2SEQ: (8, 512), zoo.VISION: (32, 0)}
-LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
-                "decoder_layers")
 # A compiled call passes where its output is no further from a float32 evaluation of the
 # model than twice eager's distance plus one bf16 rounding (relative L2 norms), as
 # Inductor's accuracy check judges against float64: a mixture of experts routes a few
@@ -52,13 +50,6 @@ LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layer
 # differently (Mixtral: Inductor's and eqfuse's logits 0.46-0.96 off eager's at the
 # largest element), and eager's own routing differs from float32's as much.
 PASS_SLACK = 2.0 ** -8
-
-
-def published(family: zoo.Family, layers: int | None) -> dict:
-    sizes = dict(family.published)
-    if layers:
-        sizes.update({f: layers for f in LAYER_FIELDS})
-    return sizes
 
 
 def contenders(autotune: bool, recompute: bool = False, whole: bool = False) -> dict:
@@ -145,7 +136,7 @@ def compile_phases(graphs) -> dict:
 def run_family(family: zoo.Family, mode: str, args) -> dict:
     training = mode == "train"
     batch, seq = SIZES[family.kind]
-    model = zoo.family_model(family, train=training, sizes=published(family, args.layers), dtype=torch.bfloat16,
+    model = zoo.family_model(family, train=training, sizes=family.published, layers=args.layers, dtype=torch.bfloat16,
                              device="cuda", dropout=False)
     if training:
         model.train()

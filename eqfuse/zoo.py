@@ -145,10 +145,18 @@ def build(model_class, sizes: dict | None = None, dtype=torch.float32, device="c
     return model.to(device=device, dtype=dtype).eval()
 
 
-def family_model(family: Family, train: bool = False, sizes: dict | None = None, **kw) -> torch.nn.Module:
+# The config fields that set a model's depth, by family (each family reads its own)
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
+                "decoder_layers")
+
+
+def family_model(family: Family, train: bool = False, sizes: dict | None = None, layers: int | None = None,
+                 **kw) -> torch.nn.Module:
     """The family's model (its training class with ``train``) at TINY plus its own sizes,
-    or at ``sizes``."""
-    chosen = {**TINY, **family.tiny} if sizes is None else sizes
+    or at ``sizes``; with ``layers``, that many layers (in each stack)."""
+    chosen = {**TINY, **family.tiny} if sizes is None else dict(sizes)
+    if layers:
+        chosen.update({f: layers for f in LAYER_FIELDS})
     return build(family.train_model if train else family.model, chosen, **family.fixed, **kw)
 
 

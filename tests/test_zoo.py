@@ -4,7 +4,12 @@ on) through ``torch.compile(model, backend="eqfuse")``, against eager.
 
 Each test asserts that no graph ran wholly in eager, that each has kernels, and which ops
 ran as eager steps: only ops with no kernel form yet (a new one is a regression; one that
-goes away is progress, to be written down here)."""
+goes away is progress, to be written down here).
+
+The models have LAYERS layers, the fewest that a graph is compiled in parts with (its
+identical layers compiled once: frontend/repeats.py), the path a model of published
+depth takes; the families in WHOLE have no three alike layers at that depth and compile
+whole, at two layers."""
 
 import pytest
 import torch
@@ -12,6 +17,8 @@ from conftest import DEVICE
 
 import eqfuse.backend
 from eqfuse import zoo
+from eqfuse.frontend.repeats import MIN_BLOCKS
+from eqfuse.runtime.layered import LayeredGraph
 
 # Per family, the ops that run as eager steps (ops with no kernel form yet). A tensor with
 # no elements (the cache's first keys) is an allocation, not an eager step.
@@ -31,6 +38,25 @@ TRAIN_EAGER_OPS = {
 }
 TRAINED = ["llama", "gpt2", "bert", "t5", "mixtral"]
 DECODERS = [f.name for f in zoo.FAMILIES if f.kind == zoo.DECODER]
+LAYERS = MIN_BLOCKS
+# Gemma 2 alternates sliding-window and global layers (a block is two layers: six at
+# least); T5's first layer computes the position bias that the others read
+WHOLE = {"gemma2": 2, "t5": 2}
+
+
+def _model(family, train: bool = False):
+    return zoo.family_model(family, train=train, layers=WHOLE.get(family.name, LAYERS), device=DEVICE)
+
+
+def _assert_layered(graphs, family, count: int):
+    """``count`` of the graphs compiled in parts, all their layers alike; none in WHOLE."""
+    layered = [g for g in graphs if isinstance(g, LayeredGraph)]
+    if family.name in WHOLE:
+        assert not layered
+        return
+    assert len(layered) == count, [type(g).__name__ for g in graphs]
+    for g in layered:
+        assert g.report["layers"]["blocks"] == LAYERS, g.explain()
 
 
 def _compiled_graphs() -> list:
@@ -68,20 +94,21 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("name", [f.name for f in zoo.FAMILIES])
 def test_inference_with_default_arguments_compiles_and_matches_eager(name):
     family = zoo.BY_NAME[name]
-    model = zoo.family_model(family, device=DEVICE)
+    model = _model(family)
     kwargs = zoo.inputs(family, model)
     with torch.no_grad():
         want = zoo.main_output(model(**kwargs))
         got = zoo.main_output(torch.compile(model, backend="eqfuse")(**kwargs))
     _close(got, want, what=name)
     _assert_compiled(_compiled_graphs(), EAGER_OPS[name])
+    _assert_layered(_compiled_graphs(), family, 1)
 
 
 @pytest.mark.parametrize("name", TRAINED)
 def test_a_training_step_matches_eager_loss_and_gradients(name):
     """``labels=`` and ``loss.backward()``, in train mode (dropout draws alike under one seed)."""
     family = zoo.BY_NAME[name]
-    model = zoo.family_model(family, train=True, device=DEVICE).train()
+    model = _model(family, train=True).train()
     kwargs = zoo.inputs(family, model, labels=True)
     want_loss, want_grads = zoo.training_step(model, kwargs)
     got_loss, got_grads = zoo.training_step(torch.compile(model, backend="eqfuse"), kwargs)
@@ -96,6 +123,7 @@ def test_a_training_step_matches_eager_loss_and_gradients(name):
     graphs = _compiled_graphs()
     assert len(graphs) >= 2, "no backward graph was compiled"
     _assert_compiled(graphs, None)
+    _assert_layered(graphs, family, 2)  # the forward's and the backward's
 
 
 @pytest.mark.parametrize("name", DECODERS)
