@@ -34,7 +34,7 @@ import torch
 
 from ..errors import Unschedulable
 from ..schema import ops
-from ..schema.plan import KernelSpec, PNode, chain_cut, operand_cut, reads_any
+from ..schema.plan import KernelSpec, PNode, chain_cut, operand_cut, readers, reads_any
 from . import tma
 from .indexing import Env, Idx, env_of, reshape_env, strided_offset
 from .kernel import KernelWriter, Val, literal, next_pow2, operand_key
@@ -187,7 +187,8 @@ def _score_operands_reading(s: PNode, inner: set) -> list:
             products.append(x)
         else:
             stack.extend(reversed(x.args))
-    return [c for x in products for c in operand_cut(x, inner)]
+    reading = readers(products, inner)
+    return [c for x in products for c in operand_cut(x, inner, reading)]
 
 
 def _cut_points(outside: list[PNode], flows: list[PNode]) -> list:
@@ -200,9 +201,9 @@ def _cut_points(outside: list[PNode], flows: list[PNode]) -> list:
     scores stored too (GPT-2 and GPT-NeoX at 1024 tokens with a bool mask: a matmul kernel
     writing 12 x 1024 x 1024 scores, which attention then read)."""
     flow_ids = {id(f) for f in flows}
-    # a row max: of the scores, or of what a cut above removes
-    return [c for x in outside if not (x.op == "reduce" and x.attrs[0] == "max")
-            for c in operand_cut(x, flow_ids) or [x.eclass]]
+    cut = [x for x in outside if not (x.op == "reduce" and x.attrs[0] == "max")]  # a row max: of the scores,
+    reading = readers(cut, flow_ids)  # or of what a cut above removes
+    return [c for x in cut for c in operand_cut(x, flow_ids, reading) or [x.eclass]]
 
 
 def _check_read_as_stored(operands: list[PNode]) -> None:

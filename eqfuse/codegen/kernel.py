@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from ..errors import Unschedulable
 from ..rewrite.cost import device_model
 from ..schema import ops
-from ..schema.plan import KernelSpec, PNode, operand_cut
+from ..schema.plan import KernelSpec, PNode, operand_cut, readers
 from . import access, matmul_templates, pointwise, tiles, tma
 from .indexing import (
     Env,
@@ -175,7 +175,8 @@ def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
         # the reductions, else where a product's operand leaves them (a normalised row:
         # its statistics may be no value extraction can store)
         inner = {id(n) for n in reductions}
-        cuts = [c for d in dots for c in operand_cut(d, inner)]
+        reading = readers(dots, inner)
+        cuts = [c for d in dots for c in operand_cut(d, inner, reading)]
         raise Unschedulable("a reduction in a matmul kernel", store=[n.eclass for n in reductions] + cuts)
     forms = {(d.shape, d.args[0].shape[-1], d.args[0].dtype) for d in dots}
     if len(forms) != 1:
