@@ -8,8 +8,8 @@ goes away is progress, to be written down here).
 
 The models have LAYERS layers, the fewest that a graph is compiled in parts with (its
 identical layers compiled once: frontend/repeats.py), the path a model of published
-depth takes; the families in WHOLE have no three alike layers at that depth and compile
-whole, at two layers."""
+depth takes; a family in DEPTH has another depth for that (Gemma 2: none, two layers
+compiled whole)."""
 
 import pytest
 import torch
@@ -39,24 +39,27 @@ TRAIN_EAGER_OPS = {
 TRAINED = ["llama", "gpt2", "bert", "t5", "mixtral"]
 DECODERS = [f.name for f in zoo.FAMILIES if f.kind == zoo.DECODER]
 LAYERS = MIN_BLOCKS
-# Gemma 2 alternates sliding-window and global layers (a block is two layers: six at
-# least); T5's first layer computes the position bias that the others read
-WHOLE = {"gemma2": 2, "t5": 2}
+DEPTH = {
+    "gemma2": 2,  # sliding-window and global layers alternate: a block is two layers, six at least
+    "t5": LAYERS + 1,  # the first layer of each stack computes the position bias the others read
+}
 
 
 def _model(family, train: bool = False):
-    return zoo.family_model(family, train=train, layers=WHOLE.get(family.name, LAYERS), device=DEVICE)
+    return zoo.family_model(family, train=train, layers=DEPTH.get(family.name, LAYERS), device=DEVICE)
 
 
 def _assert_layered(graphs, family, count: int):
-    """``count`` of the graphs compiled in parts, all their layers alike; none in WHOLE."""
+    """``count`` of the graphs compiled in parts, each run of LAYERS alike blocks (an
+    encoder-decoder's two: its encoder's and its decoder's); none for Gemma 2."""
     layered = [g for g in graphs if isinstance(g, LayeredGraph)]
-    if family.name in WHOLE:
+    if DEPTH.get(family.name) == 2:
         assert not layered
         return
     assert len(layered) == count, [type(g).__name__ for g in graphs]
+    runs = 2 if family.kind == zoo.SEQ2SEQ else 1
     for g in layered:
-        assert g.report["layers"]["blocks"] == LAYERS, g.explain()
+        assert g.report["layers"]["runs"] == [LAYERS] * runs, g.explain()
 
 
 def _compiled_graphs() -> list:

@@ -12,12 +12,14 @@ the blocks after the first take the first one's plan (pipeline.shared_plans).
 the period of the sequence of the graph's nodes (each an op, its literal arguments, and
 the shape, dtype and strides of its value) that covers the most nodes, at least
 ``MIN_BLOCK`` nodes a block, each block holding a matrix product (a repeat without one
-is a pattern inside a layer, a chain of pointwise ops best fused whole). Among the
-rotations of the period, blocks start where the fewest values cross from one block into
-the next (a residual stream, not the middle of an attention). Every block must then be
-wired as the first one is: the same edges inside it, and the values it reads from
-outside in the same order with the same metadata. Each part becomes a GraphModule of its
-own, its inputs and nodes named by position, so that equal blocks are equal graphs.
+is a pattern inside a layer, a chain of pointwise ops best fused whole), and then the
+same in what comes before and after that run (an encoder's layers and a decoder's: two
+runs). Among the rotations of the period, blocks start where the fewest values cross
+from one block into the next (a residual stream, not the middle of an attention). Every
+block must then be wired as the first one is: the same edges inside it, and the values
+it reads from outside in the same order with the same metadata. Each part becomes a
+GraphModule of its own, its inputs and nodes named by position, so that equal blocks are
+equal graphs.
 
 A value made before the blocks from no input at all (a causal mask from ``arange``s, a
 position bias) is computed again inside each block rather than passed to it: passed, it
@@ -39,9 +41,9 @@ import torch.fx as fx
 
 MIN_BLOCK = 24  # nodes
 # Blocks, at least: two layers compile whole. The cuts cost little where they fall (a
-# layer's residual is stored either way), but a graph in parts records a CUDA graph per
-# part, and the speed of parts on a GPU is not yet measured (docs/compile-time.md); from
-# three layers on, compile time is what depth costs.
+# layer's residual is stored either way: on an H200, models of 4 layers ran in parts
+# within 1% of whole, docs/compile-time.md), but each part records a CUDA graph of its
+# own; from three layers on, compile time is what depth costs.
 MIN_BLOCKS = 3
 RECOMPUTED_NODES = 64  # at most, in the cone of a value that each block computes again
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "_grouped_mm"}
@@ -52,26 +54,35 @@ class Part:
     gm: fx.GraphModule
     inputs: list  # the original graph's nodes it reads, in the order of its placeholders
     outputs: list  # the original graph's nodes it returns, in order
-    block: int | None  # which of the repeated blocks it is; None for the prefix and the suffix
+    block: int | None  # which of its run's repeated blocks it is; None for the parts around the runs
+    run: int | None = None  # which run of repeated blocks (an encoder's layers, a decoder's) it belongs to
 
 
 def layers(gm: fx.GraphModule) -> list[Part] | None:
-    """The graph as its prefix, repeated blocks and suffix, or None where it repeats no
-    block as the module docstring says."""
+    """The graph as its runs of repeated blocks and the parts before, between and after
+    them, or None where it repeats no block as the module docstring says."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]  # the others read these
     if len(nodes) < 2 * MIN_BLOCK or any(n.op != "call_function" for n in nodes):
         return None
     position = {n: i for i, n in enumerate(nodes)}
-    found = _period(nodes)
+    runs = []
+    for period, first, last in _periods(nodes, 0, len(nodes)):  # positions [first, last) repeat with period
+        count = (last - first) // period
+        start = _quietest_start(nodes, position, first, last - count * period)
+        spans = [(start + i * period, start + (i + 1) * period) for i in range(count)]
+        if _wired_alike(nodes, position, spans):
+            runs.append(spans)
+    return _parts(gm, nodes, position, runs) if runs else None
+
+
+def _periods(nodes: list, lo: int, hi: int) -> list:
+    """The runs of ``_period`` in nodes[lo:hi], in order: the one covering the most nodes,
+    then those before it and after it (an encoder's layers and a decoder's)."""
+    found = _period(nodes[lo:hi])
     if found is None:
-        return None
-    period, first, last = found  # positions [first, last) repeat with this period
-    count = (last - first) // period
-    start = _quietest_start(nodes, position, first, last - count * period)
-    spans = [(start + i * period, start + (i + 1) * period) for i in range(count)]
-    if not _wired_alike(nodes, position, spans):
-        return None
-    return _parts(gm, nodes, position, spans)
+        return []
+    period, first, last = found
+    return _periods(nodes, lo, lo + first) + [(period, lo + first, lo + last)] + _periods(nodes, lo + last, hi)
 
 
 def _token(n: fx.Node) -> tuple:
@@ -161,38 +172,41 @@ def _wired_alike(nodes: list, position: dict, spans: list) -> bool:
     return all(wiring(lo, hi) == first for lo, hi in spans[1:])
 
 
-def _parts(gm: fx.GraphModule, nodes: list, position: dict, spans: list) -> list[Part]:
-    """The prefix, the blocks and the suffix as GraphModules, each returning what the
-    parts after it (or the graph's output) read of it; the blocks return the same places
-    of themselves, so that their graphs are equal."""
-    cuts = [(0, spans[0][0], None)] + [(lo, hi, i) for i, (lo, hi) in enumerate(spans)] \
-        + [(spans[-1][1], len(nodes), None)]
-    leaving = set()  # the places in a block of the values read after it, in any block
-    for lo, hi, _ in cuts[1:-1]:
-        for n in nodes[lo:hi]:
-            if any(position.get(u, len(nodes)) >= hi for u in n.users):
-                leaving.add(position[n] - lo)
-    recomputed = _made_from_nothing(nodes[:spans[0][0]])
+def _parts(gm: fx.GraphModule, nodes: list, position: dict, runs: list) -> list[Part]:
+    """The parts around the runs and the runs' blocks as GraphModules, each returning what
+    the parts after it (or the graph's output) read of it; the blocks of a run return the
+    same places of themselves, so that their graphs are equal."""
+    segments, at = [], 0  # (lo, hi, run, block)
+    for r, spans in enumerate(runs):
+        segments += [(at, spans[0][0], None, None)] + [(lo, hi, r, i) for i, (lo, hi) in enumerate(spans)]
+        at = spans[-1][1]
+    segments.append((at, len(nodes), None, None))
+    leaving: list = [set() for _ in runs]  # per run, the places in a block of the values read after it
+    for lo, hi, r, _ in segments:
+        if r is not None:
+            leaving[r].update(position[n] - lo for n in nodes[lo:hi]
+                              if any(position.get(u, len(nodes)) >= hi for u in n.users))
+    in_blocks = {n for lo, hi, r, _ in segments if r is not None for n in nodes[lo:hi]}
+    recomputed = _made_from_nothing([n for n in nodes if n not in in_blocks])
     parts = []
-    for lo, hi, block in cuts:
-        if lo == hi:
-            continue
+    for lo, hi, r, block in segments:
         members = nodes[lo:hi]
-        if block is not None:
-            outputs = [n for i, n in enumerate(members) if i in leaving]
+        if r is not None:
+            outputs = [n for i, n in enumerate(members) if i in leaving[r]]
             members = _cones(members, recomputed, position) + members
         else:
             outputs = [n for n in members if any(position.get(u, len(nodes)) >= hi
-                                                 and not (n in recomputed and _in_block(u, position, spans))
-                                                 for u in n.users)]
-            if lo == 0:
-                members = _needed(members, outputs)
+                                                 and not (n in recomputed and u in in_blocks) for u in n.users)]
+            members = _needed(members, outputs)
+        if not members:
+            continue
         inside = set(members)
         inputs = {a: None for n in members for a in _reads(n) if a not in inside}
         part = _module(gm, members, list(inputs), outputs)
-        where = "a block" if block is not None else "after its blocks" if lo else "before its blocks"
+        where = "a block" if r is not None else "before its blocks" if lo == 0 else \
+            "after its blocks" if hi == len(nodes) else "between its blocks"
         part.__name__ = f"{getattr(gm, '__name__', 'graph')}, {where}"  # equal for equal blocks: a plan key holds it
-        parts.append(Part(part, list(inputs), outputs, block))
+        parts.append(Part(part, list(inputs), outputs, block, r))
     return parts
 
 
@@ -220,11 +234,6 @@ def _cones(members: list, recomputed: set, position: dict) -> list:
             found.add(a)
             todo.extend(_reads(a))
     return sorted(found, key=position.__getitem__)
-
-
-def _in_block(n: fx.Node, position: dict, spans: list) -> bool:
-    p = position.get(n)
-    return p is not None and spans[0][0] <= p < spans[-1][1]
 
 
 def _needed(members: list, outputs: list) -> list:

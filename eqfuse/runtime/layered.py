@@ -1,15 +1,17 @@
 """A graph of repeated layers compiled as its parts, the layers' plan made once.
 
-``layered(fn, example_inputs, options)`` splits a GraphModule into its prefix, its
-repeated blocks and its suffix (frontend/repeats.py) and compiles each part as a graph of
-its own; the blocks after the first take the first one's extracted plan instead of
-translating, saturating and extracting again (pipeline.shared_plans), and their kernels'
-sources are the first one's, which Triton compiles once. Each part keeps what a compiled
-graph has on its own: its variants, its first-call check, its CUDA graph.
+``layered(fn, example_inputs, options)`` splits a GraphModule into its runs of repeated
+blocks (an encoder's layers, a decoder's) and the parts before, between and after them
+(frontend/repeats.py) and compiles each part as a graph of its own; the blocks after the
+first take the first one's extracted plan instead of translating, saturating and
+extracting again (pipeline.shared_plans), and their kernels' sources are the first
+one's, which Triton compiles once. Each part keeps what a compiled graph has on its own:
+its variants, its first-call check, its CUDA graph.
 
 A ``LayeredGraph`` is called as a compiled graph is (``call_boxed`` lets go of each value
 after the last part that reads it) and reports the parts' kernels, library calls and
-eager steps together; ``explain()`` shows the prefix, the first block and the suffix.
+eager steps together; ``explain()`` shows the parts around the runs of blocks and the
+first block of each run.
 """
 
 from __future__ import annotations
@@ -126,23 +128,28 @@ class LayeredGraph:
 
     @property
     def report(self) -> dict:
-        blocks = [p for p in self.parts if p.block is not None]
-        return {"layers": {"blocks": len(blocks), "nodes_per_block": len(blocks[0].gm.graph.nodes) - 1
-                           - len(blocks[0].inputs), "parts": len(self.parts)},
+        runs = [[p for p in self.parts if p.run == r] for r in range(1 + max(p.run for p in self.parts
+                                                                               if p.run is not None))]
+        return {"layers": {"blocks": sum(len(blocks) for blocks in runs), "runs": [len(blocks) for blocks in runs],
+                           "nodes_per_block": [len(blocks[0].gm.graph.nodes) - 1 - len(blocks[0].inputs)
+                                               for blocks in runs], "parts": len(self.parts)},
                 "seconds": {"total": sum(c.report.get("seconds", {}).get("total", 0.0) for c in self.compiled)},
                 "parts": [c.report for c in self.compiled]}
 
     def explain(self) -> str:
-        blocks = sum(p.block is not None for p in self.parts)
+        counts = self.report["layers"]["runs"]
         calls = f"{len(self.library_calls)} cuBLAS call(s), " if self.library_calls else ""
+        runs = f"{counts[0]} identical blocks" if len(counts) == 1 else \
+            f"{len(counts)} runs of identical blocks ({', '.join(map(str, counts))})"
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: {len(self.kernels)} "
                  f"kernel(s), {calls}{len(self.fallbacks)} eager fallback(s), in {len(self.parts)} parts: "
-                 f"{blocks} identical blocks compiled once, with what comes before and after them"]
-        for i, (part, compiled) in enumerate(zip(self.parts, self.compiled)):
+                 f"{runs} compiled once, with what comes before, between and after them"]
+        for part, compiled in zip(self.parts, self.compiled):
             if part.block is None:
-                lines.append("part before the blocks:" if i == 0 else "part after the blocks:")
+                lines.append(f"part {part.gm.__name__.rsplit(', ', 1)[-1].replace('its ', 'the ')}:")
             elif part.block == 0:
-                lines.append(f"block 0 (blocks 1 to {blocks - 1} alike):")
+                run = f"run {part.run}, " if len(counts) > 1 else ""
+                lines.append(f"{run}block 0 (blocks 1 to {counts[part.run] - 1} alike):")
             else:
                 continue
             lines += ["  " + line for line in compiled.explain().splitlines()]
