@@ -16,11 +16,18 @@ def test_numbers_proportional_to_the_size_become_multiples_of_it():
     lines = _merged(["buf = torch.empty_strided((12, 64), (64, 1))"],
                     ["buf = torch.empty_strided((14, 64), (64, 1))"], 6)
     assert lines == ["buf = torch.empty_strided(((2 * SIZE), 64), (64, 1))"]
-    assert per_size(6, 7, 6, "x") == 1 and per_size(64, 64, 6, "x") == 0
+    assert per_size(6, 7, 6, "x") == (1, 0) and per_size(64, 64, 6, "x") == (0, 64)
+
+
+def test_a_size_plus_a_constant_is_written_so():
+    """A decoder's cache has the size's length, the cache with the new token one more."""
+    lines = _merged(["cat = f(xnumel=448, rows=7)"], ["cat = f(xnumel=512, rows=8)"], 6)
+    assert lines == ["cat = f(xnumel=(64 * SIZE + 64), rows=(SIZE + 1))"]
+    assert per_size(5, 6, 6, "x") == (1, -1)
 
 
 @pytest.mark.parametrize("a, b, why", [
-    ("x = (13, 64)", "x = (15, 64)", "13 at size 6 and 15 at size 7, not proportional"),
+    ("x = (13, 64)", "x = (12, 64)", "13 at size 6 and 12 at size 7, not a multiple of the size plus a constant"),
     ("x = f(12)", "x = g(14)", "differs at size 7 in more than sizes"),
 ])
 def test_what_is_not_proportional_is_named(a, b, why):
@@ -29,7 +36,7 @@ def test_what_is_not_proportional_is_named(a, b, why):
 
 
 def test_numbers_are_compared_between_any_two_sizes():
-    assert per_size(40, 83, 40, "x", 83) == 1 and per_size(2560, 5312, 40, "x", 83) == 64
+    assert per_size(40, 83, 40, "x", 83) == (1, 0) and per_size(2560, 5312, 40, "x", 83) == (64, 0)
     with pytest.raises(NotSized, match="20 at size 40 and 41 at size 83"):
         per_size(20, 41, 40, "x", 83)  # n // 2: equal at 40 and 41, not at 83
 
@@ -124,7 +131,7 @@ def test_a_size_that_is_not_a_multiple_of_the_symbol_compiles_per_size(caplog):
             x = torch.randn(3, n, 8)
             torch._dynamo.mark_dynamic(x, 1)
             torch.testing.assert_close(g(x), _halves(x))
-    assert "xnumel is 192 at size 16 and 408 at size 35, not proportional" in caplog.text
+    assert "xnumel is 192 at size 16 and 408 at size 35, not a multiple of the size plus a constant" in caplog.text
     assert len(eqfuse.backend.history) == 4
 
 

@@ -143,6 +143,31 @@ def test_generate_gives_eager_tokens(name):
     _assert_compiled(_compiled_graphs(), None)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_generation_compiles_the_decode_step_once_for_every_cache_length(name):
+    """Each new token's step reads a cache one longer: dynamo traces it again with the
+    length symbolic, and eqfuse runs every length from one sized module (the cache's
+    length and the length with the new token, one size plus one), its eager steps (the
+    embedding of the new token) included; the logits of every step are eager's."""
+    family = zoo.BY_NAME[name]
+    model = zoo.family_model(family, layers=2, device=DEVICE)
+    prompt = zoo.inputs(family, model, seq=5)["input_ids"]
+
+    def generate():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, min_new_tokens=10,
+                             do_sample=False, pad_token_id=model.config.eos_token_id, return_dict_in_generate=True,
+                             output_logits=True)
+        return out.sequences, torch.stack(out.logits)
+    want_tokens, want_logits = generate()
+    model.forward = torch.compile(model.forward, backend="eqfuse")
+    got_tokens, got_logits = generate()
+    assert torch.equal(got_tokens, want_tokens)
+    _close(got_logits, want_logits, what=f"{name} logits")
+    # the prompt, the first step (its cache length static), then one build for every later length
+    assert len(_compiled_graphs()) == 3, [type(g).__name__ for g in _compiled_graphs()]
+    _assert_compiled(_compiled_graphs(), None)
+
+
 def test_any_model_class_is_built_tiny_from_its_config_class():
     """``zoo.build`` shrinks any class's config by field name: a family is one line."""
     model = zoo.build("Qwen3ForCausalLM")

@@ -4,18 +4,20 @@ eqfuse's plans are made for the sizes they were traced at. A graph whose dimensi
 marked dynamic (a batch, a sequence) gets plans at three sizes of that dimension, n,
 n + 1 and a far one (or n + 2, where the plan at the far size fuses otherwise), generated
 with the same kernel configurations. Where the modules
-differ only in numbers proportional to the size (``c * n`` against ``c * (n + 1)``: a
+differ only in numbers that follow the size (``k + c * n`` against ``k + c * (n + 1)``: a
 buffer's extent, a stride, a kernel's row count, a divisor that splits a row index into
-sequence and batch), they are one module, written for the size ``SIZE`` read from an input
-at each call. Its kernels take the sizes of the axes their programs are laid out along at
+sequence and batch; k is not 0 where a decoder's cache of length n gains the new token),
+they are one module, written for the size ``SIZE`` read from an input at each call.
+Eager steps run in it where they take the same arguments at every size (whole buffers:
+torch sizes their results). Its kernels take the sizes of the axes their programs are laid out along at
 launch (``RUNTIME_SIZES``, masked at every size), and ``SIZE`` itself where a number in
 their text follows it; buffers, views and grids are computed from ``SIZE``. Anything else
 that differs (a kernel's text, a number not proportional to the size, a kernel's
 configuration, a different plan) and there is no sized module: ``NotSized`` says where, and
 the graph is compiled for each size instead.
 
-Why these sizes: a choice made from ``c * n`` that comes out the same at n and n + 1 comes
-out the same at every size (both dividing evenly by a block means c does). But code
+Why these sizes: a choice made from ``k + c * n`` that comes out the same at n and n + 1
+comes out the same at every size (both dividing evenly by a block means c and k do). But code
 generation also looks at values (which keys a causal mask leaves a row, whether an index
 below the size divided by 64 is 0), and what such an analysis finds at n and n + 1 may hold
 there only: the far size (``far_size``) is where it would show, and n + 2 where a number
@@ -33,8 +35,9 @@ import tokenize
 from dataclasses import dataclass, replace
 
 from ..export import evaluate_grid_formula, grid_formula, grid_sizes
+from ..runtime.launch import at_size
 from ..schema import ops
-from ..schema.plan import FallbackStep, Plan
+from ..schema.plan import Plan
 from . import kernel as kgen
 from . import tiles
 from .module import KernelInfo, assemble, call_lines, kernel_info, launch_options, prepare
@@ -58,6 +61,8 @@ class SizedModule:
     size_input: tuple  # (input position, dimension) that SIZE is read from
     max_size: int  # the largest size whose buffers 32-bit indices reach and whose grids CUDA takes
     inputs: list  # per input: ((shape, strides) at size 0, (shape, strides) per unit of size)
+    fallbacks: list  # the eager steps (FallbackStep), the same at every size
+    size_offset: int = 0  # the size input's dimension is SIZE plus this
 
     def input_layouts(self, size: int) -> list:
         """Each input's (shape, strides) at ``size``, as the module expects them."""
@@ -70,16 +75,23 @@ def far_size(n: int) -> int:
     return 2 * n + 3
 
 
-def per_size(a: int, b: int, n: int, what: str, m: int | None = None) -> int:
-    """``c`` where ``a`` and ``b`` are ``c * n`` and ``c * m`` (m defaults to n + 1); 0
-    where they are equal."""
+def per_size(a: int, b: int, n: int, what: str, m: int | None = None) -> tuple[int, int]:
+    """``(c, k)`` where ``a`` and ``b`` are ``k + c * n`` and ``k + c * m`` (m defaults to
+    n + 1), c a whole number, positive or 0 (``a`` equal to ``b``): a length that follows the
+    size, or the size plus one (a decoder's cache and the cache with the new token)."""
     m = n + 1 if m is None else m
     if a == b:
-        return 0
+        return 0, a
     c, rest = divmod(b - a, m - n)
-    if c > 0 and not rest and a == c * n:
-        return c
-    raise NotSized(f"{what} is {a} at size {n} and {b} at size {m}, not proportional to the size")
+    if c > 0 and not rest:
+        return c, a - c * n
+    raise NotSized(f"{what} is {a} at size {n} and {b} at size {m}, not a multiple of the size plus a constant")
+
+
+def size_text(c: int, k: int) -> str:
+    """``k + c * SIZE`` as the module writes it."""
+    text = SIZE if c == 1 else f"{c} * {SIZE}"
+    return text if k == 0 else f"{text} + {k}" if k > 0 else f"{text} - {-k}"
 
 
 # The sizes, in units of the size a sized module is made at, whose modelled times choose a
@@ -102,10 +114,9 @@ def sized_module(samples: list, title: str, version: str, configs: dict, complet
     calls, their views' sizes written over SIZE as the buffers' are). Raises NotSized."""
     for _, plan in samples:
         prepare(plan, library)
-        steps = [s for s in plan.steps if isinstance(s, FallbackStep)]
-        if steps:
-            raise NotSized(f"an eager step ({steps[0].node}) runs with the sizes it was traced at")
     (n, plan_a), *others = samples
+    for m, plan_x in others:
+        _same_eager_steps(plan_a, plan_x, m)
     for m, plan_x in others:  # before configurations are completed: that may launch kernels
         _same_plan(plan_a, plan_x, n, m)
     configs = sized_configs(samples, configs)
@@ -120,6 +131,44 @@ def sized_module(samples: list, title: str, version: str, configs: dict, complet
             raise NotSized(f"the module made from sizes {n} and {m} is not the one made from {n} and {others[0][0]}: "
                            f"{_first_difference(made[0].source, module.source)}")
     return made[0]
+
+
+def _same_eager_steps(plan_a: Plan, plan_x: Plan, m: int) -> None:
+    """Eager steps run at every size where they take the same arguments at each sample
+    (whole buffers, literals that do not follow the size: an embedding of the new token,
+    an attention over the whole cache): torch sizes their outputs from their inputs. One
+    that reads a view written with the size's numbers, or takes a size, runs as traced."""
+    steps_a, steps_x = _whole_buffers(plan_a), _whole_buffers(plan_x)
+    if [s.node for s in steps_a] != [s.node for s in steps_x]:
+        raise PlansDiffer(f"the eager steps differ at size {m}")
+    for a, x in zip(steps_a, steps_x):
+        try:  # the whole of each: a step's target may hold layouts (from_fx.EagerCall) that follow the size
+            same = bool((a.target, a.args, a.kwargs, a.outputs) == (x.target, x.args, x.kwargs, x.outputs))
+        except Exception:  # noqa: BLE001 - a value with no plain equality (a tensor): not the same
+            same = False
+        if not same:
+            raise NotSized(f"an eager step ({a.node}) takes arguments or lays out results as the size does")
+
+
+def _whole_buffers(plan: Plan) -> list:
+    """The plan's eager steps, each view of a whole buffer they read (a token-id input as
+    it is) passed as the buffer: a view spells the size out, the buffer follows it."""
+    from ..schema.from_fx import BufRef
+    from ..schema.plan import BufArg
+
+    layouts = {b.name: (tuple(b.shape), tuple(b.layout)) for b in [*plan.inputs, *plan.buffers.values()]}
+
+    def whole(a):
+        if isinstance(a, BufRef) and a.offset == 0 and layouts.get(a.buf) == (tuple(a.shape), tuple(a.strides)):
+            return BufArg(a.buf)
+        if isinstance(a, (list, tuple)):
+            return type(a)(whole(x) for x in a)
+        if isinstance(a, dict):
+            return {k: whole(v) for k, v in a.items()}
+        return a
+    for step in plan.fallbacks:
+        step.args, step.kwargs = whole(step.args), whole(step.kwargs)
+    return plan.fallbacks
 
 
 def sized_configs(samples: list, first: dict) -> dict:
@@ -195,9 +244,11 @@ def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, versi
         if runtime & {"M", "N"} and a.schedule.kind == "attention":
             _check_band(ka, n)
         infos.append(a)
-    largest = max(per_size(b.numel, plan_b.buffers[name].numel, n, f"buffer {name}'s element count", m)
-                  for name, b in plan_a.buffers.items())
-    max_size = (2**31 - 1) // max(largest, 1)
+    max_size = 2**31 - 1  # buffers whose elements 32-bit indices reach
+    for name, b in plan_a.buffers.items():
+        c, k = per_size(b.numel, plan_b.buffers[name].numel, n, f"buffer {name}'s element count", m)
+        if c:
+            max_size = min(max_size, (2**31 - 1 - k) // c)
     formulas = {}
     for info in infos:
         for k in (info, info.fallback) if info.fallback is not None else (info,):
@@ -206,16 +257,18 @@ def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, versi
                 raise NotSized(f"kernel {k.name}: its grid is not a formula over its sizes")
             max_size = _grid_bound(formulas[k.name], {**k.constexprs, **grid_sizes(k)}, scales[k.name], max_size)
     inputs = _inputs(plan_a, plan_b, n, m)
-    size_input = next(((i, d) for i, (_, (shape, _)) in enumerate(inputs) for d, c in enumerate(shape) if c == 1),
-                      None)
-    if size_input is None:
+    ones = sorted((abs(fixed[d]), i, d) for i, ((fixed, _), (shape, _)) in enumerate(inputs)
+                  for d, c in enumerate(shape) if c == 1)  # the size itself first, then the size plus k
+    if not ones:
         raise NotSized("no input has the dynamic size as a dimension of its own")
+    _, *size_input = ones[0]
+    size_offset = inputs[size_input[0]][0][0][size_input[1]]
     body_a, rets_a = call_lines(plan_a, infos, SIZE)
     body_b, rets_b = call_lines(plan_b, infos, SIZE)
     body = _merged(body_a, body_b, n, m)
     rets = _merged(rets_a, rets_b, n, m)
     arg, dim = plan_a.inputs[size_input[0]].name, size_input[1]
-    body.insert(0, f"{SIZE} = {arg}.shape[{dim}]")
+    body.insert(0, f"{SIZE} = {arg}.shape[{dim}]" + (f" - {size_offset}" if size_offset else ""))
 
     def launcher_line(info: KernelInfo) -> str:
         sizes = {**info.constexprs, **grid_sizes(info)}
@@ -227,7 +280,7 @@ def _merged_module(plan_a: Plan, plan_b: Plan, n: int, m: int, title: str, versi
 
     source = assemble(f"{title} (sized: every size of one dimension)", version, infos, launcher_line,
                       [b.name for b in plan_a.inputs], body, rets, launcher="SizedLauncher")
-    return SizedModule(source, infos, size_input, max_size, inputs)
+    return SizedModule(source, infos, tuple(size_input), max_size, inputs, plan_a.fallbacks, size_offset)
 
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's, per grid dimension
@@ -238,7 +291,7 @@ def _grid_bound(formula: list, sizes: dict, per_size: dict, upto: int) -> int:
     second dimension, batch x heads, grows with a dynamic batch): grids grow with the
     size, so the sizes that fit are those up to a bound, found by bisection."""
     def fits(size):
-        grid = evaluate_grid_formula(formula, {**sizes, **{k: c * size for k, c in per_size.items()}})
+        grid = evaluate_grid_formula(formula, {**sizes, **{k: at_size(rule, size) for k, rule in per_size.items()}})
         return all(g <= limit for g, limit in zip(grid, GRID_LIMITS))
     if fits(upto):
         return upto
@@ -264,7 +317,7 @@ def _launchable(spec) -> frozenset:
 
 
 def _runtime_sizes(a: KernelInfo, b: KernelInfo, n: int, m: int, may: frozenset) -> dict:
-    """The kernel's sizes that follow the dynamic dimension (name -> per unit of size), of
+    """The kernel's sizes that follow the dynamic dimension (name -> (per unit of size, constant)), of
     the kernel at ``n`` (``a``) and at ``m`` (``b``); NotSized where one of them is a size
     the kernel cannot take at launch."""
     sizes_a, sizes_b = grid_sizes(a), grid_sizes(b)
@@ -272,12 +325,12 @@ def _runtime_sizes(a: KernelInfo, b: KernelInfo, n: int, m: int, may: frozenset)
         raise NotSized(f"kernel {a.name} has other sizes at size {m} than at {n}")
     scaled = {}
     for name, va in sizes_a.items():
-        c = per_size(va, sizes_b[name], n, f"kernel {a.name}'s {name}", m)
+        c, k = per_size(va, sizes_b[name], n, f"kernel {a.name}'s {name}", m)
         if c and not (name in may or name.startswith("B") and name[1:].isdigit()):
             raise NotSized(f"kernel {a.name} ({a.schedule.describe()}): {name} follows the dynamic size, "
                            "which it cannot take at launch")
         if c:
-            scaled[name] = c
+            scaled[name] = (c, k)
     return scaled
 
 
@@ -325,8 +378,8 @@ def _inputs(plan_a: Plan, plan_b: Plan, n: int, m: int) -> list:
         if len(a.shape) != len(b.shape):
             raise NotSized(f"input {a.name} has another rank at size {m}")
         pairs = list(zip(tuple(a.shape) + tuple(a.layout), tuple(b.shape) + tuple(b.layout)))
-        per = [per_size(x, y, n, f"input {a.name}'s shape and strides", m) for x, y in pairs]
-        fixed = [x - c * n for (x, _), c in zip(pairs, per)]
+        rules = [per_size(x, y, n, f"input {a.name}'s shape and strides", m) for x, y in pairs]
+        per, fixed = [c for c, _ in rules], [k for _, k in rules]
         r = len(a.shape)
         out.append(((tuple(fixed[:r]), tuple(fixed[r:])), (tuple(per[:r]), tuple(per[r:]))))
     return out
@@ -334,7 +387,7 @@ def _inputs(plan_a: Plan, plan_b: Plan, n: int, m: int) -> list:
 
 def _merged(lines_a: list, lines_b: list, n: int, m: int | None = None, where: str = "the module") -> list:
     """``lines_a`` with each number that differs in ``lines_b`` written as a multiple of
-    SIZE. The lines must differ in nothing else."""
+    SIZE plus a constant. The lines must differ in nothing else."""
     m = n + 1 if m is None else m
     if len(lines_a) != len(lines_b):
         raise NotSized(f"{where} has {len(lines_a)} lines at size {n} and {len(lines_b)} at {m}")
@@ -352,9 +405,8 @@ def _merged(lines_a: list, lines_b: list, n: int, m: int | None = None, where: s
             if x.string != y.string:
                 if not (x.string.isdigit() and y.string.isdigit()):
                     raise NotSized(f"{x.string} at size {n} is {y.string} at {m} in {la.strip()!r}")
-                c = per_size(int(x.string), int(y.string), n, f"{x.string!r} in {la.strip()!r}", m)
-                text = SIZE if c == 1 else f"{c} * {SIZE}"
-                line = line[:x.start[1]] + f"({text})" + line[x.end[1]:]
+                c, k = per_size(int(x.string), int(y.string), n, f"{x.string!r} in {la.strip()!r}", m)
+                line = line[:x.start[1]] + f"({size_text(c, k)})" + line[x.end[1]:]
         out.append(line)
     return out
 

@@ -213,9 +213,16 @@ def deferred_launchers(module) -> dict:
             if name.endswith("_launch") and getattr(x, "deferred", False)}
 
 
+def at_size(rule, size: int) -> int:
+    """A number of a sized module at ``size`` by its rule: ``(c, k)``, k + c * size, or
+    ``c``, c * size."""
+    c, k = rule if isinstance(rule, tuple) else (rule, 0)
+    return k + c * size
+
+
 class SizedLauncher:
     """``launcher(size, *tensors)``: a kernel of a sized module (codegen/sized.py), whose
-    sizes along the graph's dynamic dimension are ``per_size[name] * size``. The kernel
+    sizes along the graph's dynamic dimension are ``at_size(per_size[name], size)``. The kernel
     takes those as runtime arguments, so every size runs the same compiled kernel (Triton
     compiles one more where an argument's divisibility by 16 changes, as its JIT does for
     any int). The grid is ``grid`` (formulas over the sizes, export.grid_formula) at that
@@ -237,7 +244,7 @@ class SizedLauncher:
         launcher = self._at.get(size)
         if launcher is None:
             from ..export import evaluate_grid_formula
-            sizes = {**self.sizes, **{k: c * size for k, c in self.per_size.items()}}
+            sizes = {**self.sizes, **{k: at_size(rule, size) for k, rule in self.per_size.items()}}
             otherwise = self.otherwise.at(size) if self.otherwise is not None else None
             launcher = self._at[size] = KernelLauncher(
                 self.fn, evaluate_grid_formula(self.grid, sizes), {k: sizes[k] for k in self.args},

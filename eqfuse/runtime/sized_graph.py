@@ -5,9 +5,11 @@ the second shape a function meets). eqfuse compiles it for the first size it is 
 with, as any graph. At the second, it builds the sized module (codegen/sized.py) from
 the graph's plans at that size, the next and a far one, with the block sizes the first
 build chose: its kernels take the dynamic size at launch, so every later size runs the
-kernels compiled once. Where there is no sized module (``NotSized``: a kernel written
-otherwise at another size, a number not proportional to the size, an eager step, more
-than one symbol), each size compiles on its own.
+kernels compiled once. Symbols that change together, equal before and after (a
+decoder's cache of each layer), are one size. Where there is no sized module
+(``NotSized``: a kernel written otherwise at another size, a number that does not follow
+the size, an eager step that takes a view of the size's extent, symbols that change
+apart), each size compiles on its own.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ class SizedGraph:
     a call holds (shapes, strides, TF32), so the backend asks once per key."""
 
     def __init__(self, sized, module, device, constants: list, finish, tf32: bool, seconds: float):
+        from .compiled import make_fallback_runner
+
         self.sized = sized
         self.module = module
+        self.fallback_runners = [make_fallback_runner(s) for s in sized.fallbacks]
         self.device = device
         self.constants = constants
         self.finish = finish
@@ -42,7 +47,7 @@ class SizedGraph:
         i, d = self.sized.size_input
         if i >= len(tensors) or tensors[i].dim() <= d:
             return False
-        size = tensors[i].shape[d]
+        size = tensors[i].shape[d] - self.sized.size_offset
         if not 1 <= size <= self.sized.max_size:
             return False
         given = [(tuple(t.shape), t.stride()) for t in list(tensors) + self.constants]
@@ -51,7 +56,7 @@ class SizedGraph:
     def call_boxed(self, tensors: list):
         args = list(tensors) + self.constants
         tensors.clear()
-        return self.finish(self.module.call_boxed(self.device, [], args))
+        return self.finish(self.module.call_boxed(self.device, self.fallback_runners, args))
 
 
 def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, configs: dict) -> SizedGraph:
@@ -63,16 +68,22 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     from ..codegen.sized import NotSized, PlansDiffer, far_size, sized_module
     from ..errors import EqfuseError
     from ..pipeline import _cublas, _load, _parallel, plan_only
-    from .compiled import VERSION, _unflattener
+    from .compiled import VERSION, _unflattener, make_fallback_runner
 
     start = time.perf_counter()
     values = symbol_values(example_inputs, sizes, tensors)
     changed = [s for s, v in values.items() if first.get(s) != v]
-    if len(changed) != 1:
+    # Symbols that were equal and still are move as one size (a decoder's cache of each
+    # layer, its mask: one length); at a call where they part, the module's layouts of its
+    # inputs no longer match (SizedGraph.accepts), and the call compiles on its own
+    if not changed or len({values[s] for s in changed}) != 1 or len({first.get(s) for s in changed}) != 1:
         raise NotSized(f"{len(changed)} symbolic sizes changed since the first call "
-                       f"({', '.join(sorted(map(str, changed)))}); a sized module follows one")
-    symbol, = changed
-    value = values[symbol]
+                       f"({', '.join(sorted(map(str, changed)))}), not as one; a sized module follows one size")
+    value = values[changed[0]]
+
+    def at(size) -> dict:
+        return {**values, **dict.fromkeys(changed, size)}
+
     fn = fn_at(sizes)
     plan_a, captured = plan_only(fn, tensors, options)
     title = getattr(fn, "__name__", "graph")
@@ -83,7 +94,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
 
     def plan_of(size):
         if size not in plans:
-            sizes_x, tensors_x = _at(example_inputs, sizes, tensors, {**values, symbol: size})
+            sizes_x, tensors_x = _at(example_inputs, sizes, tensors, at(size))
             plans[size] = plan_only(fn_at(sizes_x), tensors_x, options)[0]
         return plans[size]
 
@@ -99,7 +110,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     def complete(size, plan, chosen):
         # kernels launched alone, at the plan's size: inputs that follow the size zeroed
         # there (a valid index, a number), the others as this call has them
-        _, inputs = _at(example_inputs, sizes, tensors, {**values, symbol: size})
+        _, inputs = _at(example_inputs, sizes, tensors, at(size))
         inputs = [t if any(t is x for x in tensors) else t.zero_() for t in inputs]
         return _with_runnable_configs(plan, chosen, title, inputs, constants, parallel)
 
@@ -131,7 +142,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     # launch on this GPU (shared memory), where the per-size build would have passed over
     # them to the next
     try:
-        module.call_boxed(device, [], list(tensors) + constants)
+        module.call_boxed(device, [make_fallback_runner(s) for s in sized.fallbacks], list(tensors) + constants)
     except Exception as e:  # noqa: BLE001 - whatever stops it, the graph compiles per size
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise NotSized(f"the sized module does not run at size {value}: {type(e).__name__}: {first_line}") from e
