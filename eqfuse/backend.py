@@ -11,12 +11,15 @@ symbolic sizes (``dynamic=True``, ``mark_dynamic``, or its second shape under au
 dynamic shapes) is compiled for the first set of sizes it is called with; at the second,
 a sized module (codegen/sized.py), whose kernels take the dynamic size at launch, is
 built to run every size after. Where there is none, each set of sizes compiles on its
-own, up to MAX_SHAPES of them; past that, and where its outputs hold sizes (a training
-forward saving them for its backward), it runs as traced.
+own, up to MAX_SHAPES of them; past that it runs as traced. Sizes among a graph's outputs
+(a decoder's cache length, a training forward saving a shape for its backward) are
+computed from each call's sizes (``_SizesOut``); where one is not a formula over them,
+the graph runs as traced.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import deque
 from typing import Any
@@ -53,10 +56,15 @@ def _compiler(options: dict, kind: str):
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
         gm.__name__ = kind  # AOTAutograd's graph, made for this compile: every one was "GraphModule"
         if _symbolic(example_inputs):
-            if _sizes_out(gm):
+            sizes_out = _SizesOut.of(gm, example_inputs)
+            if sizes_out is False:
                 log.warning("eqfuse: graph with symbolic sizes among its outputs runs uncompiled")
                 return gm
+            if sizes_out is not None:
+                gm = sizes_out.tensors_gm
             runner = _PerShape(gm, example_inputs, compile_fn, options)
+            if sizes_out is not None:
+                runner = sizes_out.around(runner)
         else:
             compiled = compile_fn(gm, example_inputs)
             if compiled is None:
@@ -79,11 +87,64 @@ def _symbolic(example_inputs) -> bool:
                for x in example_inputs)
 
 
-def _sizes_out(gm: torch.fx.GraphModule) -> bool:
-    """Whether the graph returns sizes (not only tensors)."""
-    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    vals = [getattr(n, "meta", {}).get("val") for n in (out if isinstance(out, (tuple, list)) else [out])]
-    return any(v is not None and not isinstance(v, torch.Tensor) for v in vals)
+class _SizesOut:
+    """A graph with symbolic sizes that returns sizes besides tensors (a decoder's cache
+    length, a training forward saving a shape for its backward): its tensors are compiled
+    as a graph of their own, and each size it returns is its formula over the symbols,
+    read from each call's arguments."""
+
+    def __init__(self, tensors_gm, positions: list, formulas: list, example_inputs):
+        self.tensors_gm = tensors_gm  # the graph returning its tensors only
+        self.positions = positions  # where the sizes go among the outputs
+        self.formulas = formulas  # each size's sympy expression, or an int
+        self.example_inputs = list(example_inputs)
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, example_inputs):
+        """None where the graph returns tensors only; False where a size it returns is
+        not a formula over sizes its inputs carry."""
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        outs = output.args[0]
+        if not isinstance(outs, (tuple, list)):
+            return None
+        vals = [getattr(n, "meta", {}).get("val") if isinstance(n, torch.fx.Node) else n for n in outs]
+        positions = [i for i, v in enumerate(vals) if v is not None and not isinstance(v, torch.Tensor)]
+        if not positions:
+            return None
+        # the symbols each call's arguments give values to (runtime/sized_graph.symbol_values)
+        sizes = [x for x in example_inputs if isinstance(x, torch.SymInt)]
+        sizes += [d for x in example_inputs if isinstance(x, torch.Tensor) for d in x.shape]
+        known = {d.node.expr for d in sizes if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol}
+        formulas = []
+        for i in positions:
+            v = vals[i]
+            if isinstance(v, int) and not isinstance(v, bool):
+                formulas.append(v)
+            elif isinstance(v, torch.SymInt) and v.node.expr.free_symbols <= known:
+                formulas.append(v.node.expr)
+            else:
+                return False
+        tensors_gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        out = next(n for n in tensors_gm.graph.nodes if n.op == "output")
+        out.args = (type(outs)(a for i, a in enumerate(out.args[0]) if i not in positions),)
+        tensors_gm.graph.eliminate_dead_code()
+        tensors_gm.recompile()
+        tensors_gm.__name__ = getattr(gm, "__name__", "GraphModule")
+        return cls(tensors_gm, positions, formulas, example_inputs)
+
+    def around(self, runner):
+        """``runner`` (of the tensors' graph) with the sizes put back among its outputs."""
+        from .runtime.sized_graph import symbol_values
+
+        def run(args: list):
+            sizes = [(i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            values = symbol_values(self.example_inputs, sizes, tensors)
+            out = list(runner(args))
+            for i, f in zip(self.positions, self.formulas):
+                out.insert(i, f if isinstance(f, int) else int(f.subs(values)))
+            return out
+        return run
 
 
 class _PerShape:
