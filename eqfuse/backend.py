@@ -209,10 +209,12 @@ class _PerShape:
         from .codegen.sized import NotSized
         from .errors import EqfuseError
         from .runtime import sized_graph
-        from .runtime.compiled import Options
+        from .runtime.compiled import CompiledGraph, Options
 
         first = next((c for c in self.compiled.values() if c is not None), None)
-        configs = {info.name: info.config for info in (first.kernels if first is not None else ())}
+        # by kernel name: a graph compiled in parts names its kernels per part, not as the sized plans do
+        whole = isinstance(first, CompiledGraph)
+        configs = {info.name: info.config for info in (first.kernels if whole else ())}
         try:
             sized = sized_graph.build(self._bound, self.example_inputs, self.first, sizes, tensors,
                                       Options.make(**self.options), configs)
@@ -234,8 +236,23 @@ class _PerShape:
                 self.warned = True
             return None
         self.compiles += 1
-        self.compiled[key] = compiled = self.compile_fn(self._bound(sizes), tensors)
+        self.compiled[key] = compiled = self.compile_fn(self._traced(sizes, tensors), tensors)
         return compiled
+
+    def _traced(self, sizes, tensors):
+        """The graph at these sizes as a GraphModule of its tensors, traced with their
+        metadata, so that its identical layers compile once (runtime/layered.py), as the
+        graph's at static sizes do; the bound function where tracing fails."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        bound = self._bound(sizes)
+        try:
+            gm = make_fx(bound, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        except Exception as e:  # noqa: BLE001 - compiled from the function instead, whole
+            log.info("eqfuse: graph at these sizes compiles whole: %s: %s", type(e).__name__, e)
+            return bound
+        gm.__name__ = bound.__name__
+        return gm
 
 
 # Training graphs modelled to run longer than this launch kernel by kernel (see below)
