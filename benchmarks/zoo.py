@@ -1,7 +1,7 @@
 """The model zoo on a GPU: Hugging Face transformers families at published sizes (a few
 layers each), eager vs torch.compile vs eqfuse in one process.
 
-    python benchmarks/zoo.py [--families llama gpt2 ...] [--modes infer train] [--layers 2]
+    python benchmarks/zoo.py [--families llama gpt2 ...] [--modes infer train generate] [--layers 2]
                              [--warm] [--out results.json]
 
 Each family (eqfuse/zoo.py: random weights, bf16) runs as its users run it: default
@@ -9,7 +9,10 @@ arguments (SDPA attention, the KV cache on) for inference (the prompt: decoders 
 4 x 1024 tokens, encoders and encoder-decoders at 8 x 512, ViT at 32 images), and a
 training step (``labels=``, ``loss.backward()``, train mode) at the same sizes, with
 dropout off: a GPU's fused attention draws its dropout masks by its own generator
-offsets, so that no two backends' steps are comparable with it on. Reported per family,
+offsets, so that no two backends' steps are comparable with it on; and for decoders,
+``generate`` mode: ``model.generate`` (greedy, KV cache on) of GENERATE_TOKENS tokens
+after a prompt of GENERATE_PROMPT at batch 1, the forward compiled as transformers'
+docs compile it (its pass: every token as eager's; bf16 near-ties may flip one). Reported per family,
 mode and contender, as Inductor's dashboard reports them: whether the compiled output is
 as close to a float32 evaluation of the model as eager's (the pass rate), the median
 time of a call (triton.testing.do_bench in interleaved rounds, L2 flushed), the speedups
@@ -60,6 +63,34 @@ def contenders(autotune: bool, recompute: bool = False, whole: bool = False) -> 
     if whole:
         found["eqfuse (whole)"] = {"backend": "eqfuse", "options": {**options, "share_layers": False}}
     return found
+
+
+GENERATE_PROMPT, GENERATE_TOKENS = 128, 32
+
+
+def generate_fn(model, prompt: torch.Tensor, how: dict | None):
+    """``model.generate`` with its forward compiled by ``how`` (None: eager), put back
+    after each call, so that the contenders share one model."""
+    compiled = None if how is None else torch.compile(model.forward, **how)
+
+    def generate():
+        if compiled is not None:
+            model.forward = compiled
+        try:
+            with torch.no_grad():
+                return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GENERATE_TOKENS,
+                                      min_new_tokens=GENERATE_TOKENS, do_sample=False,
+                                      pad_token_id=model.config.eos_token_id)
+        finally:
+            model.__dict__.pop("forward", None)  # the class's forward again
+    return generate
+
+
+def call_fn(model, kwargs: dict, how: dict | None, mode: str):
+    """The call a contender (``how``: torch.compile's arguments, None for eager) is timed on."""
+    if mode == "generate":
+        return generate_fn(model, kwargs["input_ids"], how)
+    return step_fn(model if how is None else torch.compile(model, **how), kwargs, mode == "train")
 
 
 def step_fn(model, kwargs: dict, training: bool):
@@ -134,8 +165,8 @@ def compile_phases(graphs) -> dict:
 
 
 def run_family(family: zoo.Family, mode: str, args) -> dict:
-    training = mode == "train"
-    batch, seq = SIZES[family.kind]
+    training, generating = mode == "train", mode == "generate"
+    batch, seq = (1, GENERATE_PROMPT) if generating else SIZES[family.kind]
     model = zoo.family_model(family, train=training, sizes=family.published, layers=args.layers, dtype=torch.bfloat16,
                              device="cuda", dropout=False)
     if training:
@@ -144,20 +175,26 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
     row = {"family": family.name, "mode": mode, "model": family.train_model if training else family.model,
            "batch": batch, "seq": seq, "layers": args.layers,
            "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "contenders": {}}
-    exact = float32_output(model, kwargs, training)
+    if generating:
+        row["new_tokens"] = GENERATE_TOKENS
+    exact = None if generating else float32_output(model, kwargs, training)
     fns, reference = {}, None
     for name, how in contenders(args.autotune, args.recompute, args.whole).items():
         entry = row["contenders"][name] = {}
         try:
             torch._dynamo.reset()
             eqfuse.backend.history.clear()
-            compiled = model if how is None else torch.compile(model, **how)
-            fn = step_fn(compiled, kwargs, training)
+            fn = call_fn(model, kwargs, how, mode)
             torch.manual_seed(0)
             seconds, out = timed_first(fn)
-            entry["rel_err_vs_fp32"] = float(f"{relative_l2(out, exact):.3g}")
+            if not generating:
+                entry["rel_err_vs_fp32"] = float(f"{relative_l2(out, exact):.3g}")
             if how is None:
                 reference = out
+            elif generating:
+                entry["compile_s_cold"] = round(seconds, 2)
+                entry["tokens_as_eager"] = round((out == reference).float().mean().item(), 3)
+                entry["pass"] = entry["tokens_as_eager"] == 1.0
             else:
                 entry["compile_s_cold"] = round(seconds, 2)
                 err = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
@@ -169,7 +206,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
             if args.warm and how is not None:
                 torch._dynamo.reset()
                 eqfuse.backend.history.clear()
-                warm = step_fn(torch.compile(model, **how), kwargs, training)
+                warm = call_fn(model, kwargs, how, mode)
                 entry["compile_s_warm"] = round(timed_first(warm)[0], 2)
                 if name.startswith("eqfuse"):
                     entry["compile_phases_s_warm"] = compile_phases(eqfuse.backend.history)
@@ -278,7 +315,7 @@ def table(rows: list) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", nargs="+", default=[f.name for f in zoo.FAMILIES])
-    ap.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train"])
+    ap.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train", "generate"])
     ap.add_argument("--layers", type=int, default=2, help="layers of each model (0: as published)")
     ap.add_argument("--warm", action="store_true", help="also time a second compile with warm caches")
     ap.add_argument("--autotune", action="store_true")
@@ -292,6 +329,8 @@ def main():
     rows = []
     for mode in args.modes:
         for name in args.families:
+            if mode == "generate" and zoo.BY_NAME[name].kind != zoo.DECODER:
+                continue
             t0 = time.perf_counter()
             rows.append(run_family(zoo.BY_NAME[name], mode, args))
             print(f"{name} {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
