@@ -158,9 +158,8 @@ def compile_phases(graphs) -> dict:
     validate, codegen, compile, ...), summed over its graphs and their parts; the rest of
     a first call is dynamo's and AOTAutograd's, and the call itself."""
     total: collections.Counter = collections.Counter()
-    for g in graphs:
-        for report in g.report.get("parts", [g.report]):
-            total.update(report.get("seconds", {}))
+    for g in graphs:  # a graph in parts sums its parts' (LayeredGraph.report)
+        total.update(g.report.get("seconds", {}))
     return {k: round(v, 2) for k, v in total.items()}
 
 

@@ -77,6 +77,9 @@ def test_blocks_are_compiled_once_and_run_as_eager(depth, extractions):
     assert isinstance(graph, LayeredGraph), graph.explain()
     assert graph.report["layers"]["blocks"] == depth
     assert extractions["n"] == 3  # the prefix, one block, the suffix: whatever the depth
+    parts = graph.report["parts"]
+    assert graph.report["seconds"]["extract"] == pytest.approx(sum(p["seconds"].get("extract", 0) for p in parts))
+    assert "compile time:" in graph.explain() and "over the parts" in graph.explain()
     assert len(graph.kernels) > depth and not graph.fallbacks, graph.explain()
     assert "identical blocks compiled once" in graph.explain()
     assert "that of an identical block" in graph.compiled[2].explain()

@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import re
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ def test_report_and_explain():
     assert set(rep["seconds"]) >= {"capture", "translate", "saturate", "extract", "codegen", "load", "total"}
     text = c.explain()
     assert "1 kernel(s)" in text and "whole row in registers" in text and "pow_1" in text
+    # where the build's time went, each phase named with its seconds
+    line = next(ln for ln in text.splitlines() if "compile time:" in ln)
+    assert re.search(rf"compile time: {rep['seconds']['total']:.2f} s \(capture [0-9.]+, ", line), line
 
 
 def test_generated_module_is_cached_on_disk(tmp_path, monkeypatch):

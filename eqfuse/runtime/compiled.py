@@ -476,6 +476,8 @@ class _Variant:
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: "
                  f"{len(self.kernels)} kernel(s), {calls}{len(self.fallbacks)} eager fallback(s)"]
         rep = self.report
+        if rep.get("seconds"):
+            lines.append(compile_time_line(rep["seconds"]))
         if rep.get("plan_cache", {}).get("hit"):
             lines.append(f"  plan: from the plan cache (entry {rep['plan_cache']['key']}); the figures below "
                          "are those of the build that stored it")
@@ -510,6 +512,24 @@ class _Variant:
         if rep.get("note"):
             lines.append(f"  note: {rep['note']}")
         return "\n".join(lines)
+
+
+# A build's phases, in the order they run (pipeline.py records them in report["seconds"])
+PHASES = ("capture", "plan_cache", "translate", "saturate", "extract", "validate", "codegen", "load")
+
+
+def compile_time_line(seconds: dict) -> str:
+    """Where a build's time went, for explain(): the phases and, apart, the worker pool's
+    Triton compiles (beside the build) and what the first call waited for them."""
+    shown = {k: seconds[k] for k in PHASES if seconds.get(k, 0.0) >= 0.005}
+    other = seconds.get("total", 0.0) - sum(seconds.get(k, 0.0) for k in PHASES)  # imports, checks, bookkeeping
+    if other >= 0.005:
+        shown["other"] = other
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in shown.items())
+    aside = ", ".join(f"{what} {seconds[k]:.2f}" for k, what in (("compile", "Triton compiles in the pool"),
+                                                                 ("first_call_wait", "first call waited"))
+                      if seconds.get(k))
+    return f"  compile time: {seconds.get('total', 0.0):.2f} s ({phases or '-'}){'; ' + aside if aside else ''}"
 
 
 def _internal_error(e: Exception) -> dict:

@@ -133,17 +133,28 @@ class LayeredGraph:
         return {"layers": {"blocks": sum(len(blocks) for blocks in runs), "runs": [len(blocks) for blocks in runs],
                            "nodes_per_block": [len(blocks[0].gm.graph.nodes) - 1 - len(blocks[0].inputs)
                                                for blocks in runs], "parts": len(self.parts)},
-                "seconds": {"total": sum(c.report.get("seconds", {}).get("total", 0.0) for c in self.compiled)},
+                "seconds": self._seconds(),
                 "parts": [c.report for c in self.compiled]}
 
+    def _seconds(self) -> dict:
+        """Each phase's seconds summed over the parts."""
+        total: dict = {}
+        for c in self.compiled:
+            for k, v in c.report.get("seconds", {}).items():
+                total[k] = round(total.get(k, 0.0) + v, 4)
+        return total
+
     def explain(self) -> str:
+        from .compiled import compile_time_line
+
         counts = self.report["layers"]["runs"]
         calls = f"{len(self.library_calls)} cuBLAS call(s), " if self.library_calls else ""
         runs = f"{counts[0]} identical blocks" if len(counts) == 1 else \
             f"{len(counts)} runs of identical blocks ({', '.join(map(str, counts))})"
         lines = [f"eqfuse plan for {getattr(self.fn, '__name__', type(self.fn).__name__)}: {len(self.kernels)} "
                  f"kernel(s), {calls}{len(self.fallbacks)} eager fallback(s), in {len(self.parts)} parts: "
-                 f"{runs} compiled once, with what comes before, between and after them"]
+                 f"{runs} compiled once, with what comes before, between and after them",
+                 compile_time_line(self._seconds()) + " over the parts"]
         for part, compiled in zip(self.parts, self.compiled):
             if part.block is None:
                 lines.append(f"part {part.gm.__name__.rsplit(', ', 1)[-1].replace('its ', 'the ')}:")
