@@ -180,8 +180,23 @@ def cmd_rules(args) -> int:
     return 0
 
 
+def _versions() -> str:
+    """eqfuse's version and those of the packages it compiles with (what a bug report needs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .runtime.compiled import VERSION
+
+    def of(package):
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+    return f"eqfuse {VERSION} (torch {of('torch')}, triton {of('triton')}, egglog {of('egglog')})"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="eqfuse", description="equality-saturation kernel compiler for PyTorch")
+    p.add_argument("--version", action="version", version=_versions())
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("show", help="plan, report and Triton source for an example or file.py:function")
     s.add_argument("target", nargs="?", default="rmsnorm")

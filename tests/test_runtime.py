@@ -255,3 +255,12 @@ def test_variants_past_the_limit_run_in_eager_and_explain_counts_them(monkeypatc
     assert kinds == ["_Variant", "_Variant", "_EagerVariant", "_EagerVariant"], kinds
     assert "other input signatures: 3 (the plan above is the example inputs'; 1 compiled, 2 in eager" in c.explain()
 
+
+
+def test_the_command_line_says_its_version_and_its_packages(capsys):
+    from eqfuse.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"eqfuse {eqfuse.__version__} (torch {torch.__version__.split('+')[0]}") and "triton" in out
