@@ -238,7 +238,13 @@ def main(argv=None) -> int:
                                                          "(a run cut short goes on where it stopped)")
     b.set_defaults(fn=cmd_bench)
     args = p.parse_args(argv)
-    return args.fn(args)
+    from .errors import EqfuseError
+
+    try:
+        return args.fn(args)
+    except EqfuseError as e:  # the user's function or input: one line, not eqfuse's traceback
+        print(f"eqfuse {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

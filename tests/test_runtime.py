@@ -264,3 +264,12 @@ def test_the_command_line_says_its_version_and_its_packages(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"eqfuse {eqfuse.__version__} (torch {torch.__version__.split('+')[0]}") and "triton" in out
+
+
+def test_a_function_that_does_not_trace_is_one_line_from_the_command_line(tmp_path, capsys):
+    from eqfuse.cli import main
+    path = tmp_path / "branchy.py"
+    path.write_text("def f(x):\n    return x * 2 if x.sum() > 0 else x\n")
+    assert main(["show", f"{path}:f"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("eqfuse show: error: could not trace the function") and err.count("\n") == 1, err
