@@ -17,7 +17,8 @@ def _device():
 
 
 def _load_target(target: str):
-    """An example name, or ``path/to/file.py:function``."""
+    """An example name, or ``path/to/file.py:function`` (with the file's module, for its
+    ``example_inputs``)."""
     from .examples import ALL_EXAMPLES as EXAMPLES
     if target in EXAMPLES:
         return EXAMPLES[target]
@@ -31,7 +32,7 @@ def _load_target(target: str):
         fn = getattr(module, name, None)
         if fn is None:
             raise SystemExit(f"eqfuse: {path} has no function {name!r}")
-        return fn
+        return fn, module
     raise SystemExit(f"eqfuse: unknown example {target!r}; examples: {', '.join(EXAMPLES)}")
 
 
@@ -47,6 +48,12 @@ def _target_and_inputs(args):
         if len(shape) != len(target.demo_shape):
             raise SystemExit(f"eqfuse: {target.name} takes a shape of {len(target.demo_shape)} sizes")
         return target.fn, target.make_inputs(*shape, dtype, _device())
+    target, module = target
+    given = getattr(module, "example_inputs", None)
+    if given is not None:  # the file's own: any shapes, dtypes and ranks
+        inputs = given() if callable(given) else given
+        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        return target, tuple(x.to(_device()) if isinstance(x, torch.Tensor) else x for x in inputs)
     rows, cols = args.shape or (64, 1000)
     nargs = target.__code__.co_argcount
     return target, tuple(torch.randn(rows, cols, dtype=dtype, device=_device()) for _ in range(nargs))
@@ -199,7 +206,9 @@ def main(argv=None) -> int:
     p.add_argument("--version", action="version", version=_versions())
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("show", help="plan, report and Triton source for an example or file.py:function")
-    s.add_argument("target", nargs="?", default="rmsnorm")
+    s.add_argument("target", nargs="?", default="rmsnorm",
+                   help="an example name, or path/to/file.py:function (its inputs: the file's example_inputs, "
+                        "a tuple or a function returning one; else --shape floats)")
     s.add_argument("--shape", type=int, nargs="+", default=None,
                    help="ROWS COLS (M N K for a matmul example); default: the example's own")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

@@ -273,3 +273,19 @@ def test_a_function_that_does_not_trace_is_one_line_from_the_command_line(tmp_pa
     assert main(["show", f"{path}:f"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("eqfuse show: error: could not trace the function") and err.count("\n") == 1, err
+
+
+def test_show_takes_the_files_own_example_inputs(tmp_path, capsys):
+    """An MLP with weights of other shapes and integer token ids: the file says its inputs."""
+    from eqfuse.cli import main
+    path = tmp_path / "mlp.py"
+    path.write_text("import torch\n"
+                    "def mlp(ids, table, w1, w2):\n"
+                    "    x = table[ids].float()\n"
+                    "    return torch.relu(x @ w1) @ w2\n"
+                    "def example_inputs():\n"
+                    "    return (torch.randint(0, 10, (2, 3)), torch.randn(10, 8),\n"
+                    "            torch.randn(8, 16), torch.randn(16, 4))\n")
+    assert main(["show", f"{path}:mlp"]) == 0
+    out = capsys.readouterr().out
+    assert "eqfuse plan for mlp" in out and "kernel" in out
