@@ -236,19 +236,29 @@ def _candidate_plans(w: Workload, inputs, timer, eqfuse) -> list[dict]:
 
 
 def spearman(xs, ys) -> float | None:
-    """Rank correlation (ties broken by order)."""
+    """Rank correlation: the Pearson correlation of the ranks, tied values sharing their
+    mean rank (as scipy's ``spearmanr``), so that the order of the pairs does not matter;
+    None under three pairs or where a side is constant."""
     if len(xs) < 3:
         return None
 
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
-        for rank, i in enumerate(order):
-            r[i] = float(rank)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and v[order[end + 1]] == v[order[start]]:
+                end += 1
+            for k in order[start:end + 1]:
+                r[k] = (start + end) / 2
+            start = end + 1
         return r
     rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx, vy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return None if vx == 0 or vy == 0 else cov / math.sqrt(vx * vy)
 
 
 def ranking_summary(rows: list[dict]) -> dict:

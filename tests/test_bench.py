@@ -65,6 +65,9 @@ def test_spearman_and_ranking_summary():
     assert bench.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert bench.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
     assert bench.spearman([1, 2], [1, 2]) is None
+    # tied values share their mean rank: the order of the pairs does not change the result
+    assert bench.spearman([1, 1, 2, 3], [2, 1, 3, 4]) == pytest.approx(bench.spearman([1, 1, 2, 3], [1, 2, 3, 4]))
+    assert bench.spearman([5, 5, 5], [1, 2, 3]) is None  # a constant side ranks nothing
     rows = [{"plans": [{"predicted_us": 1.0, "measured_us": 2.0}, {"predicted_us": 3.0, "measured_us": 5.0}]},
             {"plans": [{"predicted_us": 4.0, "measured_us": 9.0}, {"predicted_us": 2.0, "measured_us": 1.0}]}]
     summary = bench.ranking_summary(rows)
