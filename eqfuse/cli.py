@@ -187,23 +187,25 @@ def cmd_rules(args) -> int:
     return 0
 
 
-def _versions() -> str:
-    """eqfuse's version and those of the packages it compiles with (what a bug report needs)."""
-    from importlib.metadata import PackageNotFoundError, version
+class _Version(argparse.Action):
+    """``--version``: eqfuse's version and those of the packages it compiles with (what a
+    bug report needs), looked up only when asked for."""
 
-    from .runtime.compiled import VERSION
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="show the versions of eqfuse, torch, Triton and egglog")
 
-    def of(package):
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return "not installed"
-    return f"eqfuse {VERSION} (torch {of('torch')}, triton {of('triton')}, egglog {of('egglog')})"
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .runtime.compiled import VERSION
+        from .runtime.plan_cache import installed_version
+
+        found = {p: installed_version(p) or "not installed" for p in ("torch", "triton", "egglog")}
+        print(f"eqfuse {VERSION} ({', '.join(f'{p} {v}' for p, v in found.items())})")  # stdout, as argparse's
+        parser.exit()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="eqfuse", description="equality-saturation kernel compiler for PyTorch")
-    p.add_argument("--version", action="version", version=_versions())
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("show", help="plan, report and Triton source for an example or file.py:function")
     s.add_argument("target", nargs="?", default="rmsnorm",

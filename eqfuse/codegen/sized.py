@@ -114,6 +114,7 @@ def sized_module(samples: list, title: str, version: str, configs: dict, complet
     calls, their views' sizes written over SIZE as the buffers' are). Raises NotSized."""
     for _, plan in samples:
         prepare(plan, library)
+        _whole_buffers(plan)
     (n, plan_a), *others = samples
     for m, plan_x in others:
         _same_eager_steps(plan_a, plan_x, m)
@@ -138,7 +139,7 @@ def _same_eager_steps(plan_a: Plan, plan_x: Plan, m: int) -> None:
     (whole buffers, literals that do not follow the size: an embedding of the new token,
     an attention over the whole cache): torch sizes their outputs from their inputs. One
     that reads a view written with the size's numbers, or takes a size, runs as traced."""
-    steps_a, steps_x = _whole_buffers(plan_a), _whole_buffers(plan_x)
+    steps_a, steps_x = plan_a.fallbacks, plan_x.fallbacks
     if [s.node for s in steps_a] != [s.node for s in steps_x]:
         raise PlansDiffer(f"the eager steps differ at size {m}")
     for a, x in zip(steps_a, steps_x):
@@ -150,9 +151,9 @@ def _same_eager_steps(plan_a: Plan, plan_x: Plan, m: int) -> None:
             raise NotSized(f"an eager step ({a.node}) takes arguments or lays out results as the size does")
 
 
-def _whole_buffers(plan: Plan) -> list:
-    """The plan's eager steps, each view of a whole buffer they read (a token-id input as
-    it is) passed as the buffer: a view spells the size out, the buffer follows it."""
+def _whole_buffers(plan: Plan) -> None:
+    """The plan's eager steps given each view of a whole buffer they read (a token-id input
+    as it is) as the buffer: a view spells the size out, the buffer follows it."""
     from ..schema.from_fx import BufRef
     from ..schema.plan import BufArg
 
@@ -168,7 +169,6 @@ def _whole_buffers(plan: Plan) -> list:
         return a
     for step in plan.fallbacks:
         step.args, step.kwargs = whole(step.args), whole(step.kwargs)
-    return plan.fallbacks
 
 
 def sized_configs(samples: list, first: dict) -> dict:

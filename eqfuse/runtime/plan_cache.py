@@ -76,18 +76,22 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=1)
-def _versions() -> tuple:
+def installed_version(package: str) -> str | None:
+    """The installed version of ``package``, or None."""
     from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> tuple:
     from .compiled import VERSION
 
-    def dist(name):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "none"
-    return (VERSION, source_digest(), torch.__version__, dist("triton"), dist("egglog"))
+    return (VERSION, source_digest(), torch.__version__, installed_version("triton") or "none",
+            installed_version("egglog") or "none")
 
 
 def _tensor_meta(t) -> tuple:

@@ -68,7 +68,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     from ..codegen.sized import NotSized, PlansDiffer, far_size, sized_module
     from ..errors import EqfuseError
     from ..pipeline import _cublas, _load, _parallel, plan_only
-    from .compiled import VERSION, _unflattener, make_fallback_runner
+    from .compiled import VERSION, _unflattener
 
     start = time.perf_counter()
     values = symbol_values(example_inputs, sizes, tensors)
@@ -138,16 +138,18 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
         outcome = precompile(module_launches(module, sized.infos, samples[0][1], tensors + constants, size=value))
         if outcome.note:
             log.info("eqfuse: sized module: %s", outcome.note)
+    graph = SizedGraph(sized, module, device, constants, _unflattener(captured.out_spec),
+                       torch._C._get_cublas_allow_tf32(), 0.0)
     # Run once here, at this call's size: a matmul's tiles chosen across sizes may not
     # launch on this GPU (shared memory), where the per-size build would have passed over
     # them to the next
     try:
-        module.call_boxed(device, [make_fallback_runner(s) for s in sized.fallbacks], list(tensors) + constants)
+        graph.call_boxed(list(tensors))
     except Exception as e:  # noqa: BLE001 - whatever stops it, the graph compiles per size
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise NotSized(f"the sized module does not run at size {value}: {type(e).__name__}: {first_line}") from e
-    return SizedGraph(sized, module, device, constants, _unflattener(captured.out_spec),
-                      torch._C._get_cublas_allow_tf32(), time.perf_counter() - start)
+    graph.seconds = time.perf_counter() - start
+    return graph
 
 
 def _with_runnable_configs(plan, configs: dict, title: str, tensors: list, constants: list,
