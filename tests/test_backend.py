@@ -315,6 +315,27 @@ def test_a_second_shape_stays_compiled_under_automatic_dynamic_shapes(monkeypatc
     assert len(sized) == 1
 
 
+def _step(x, cache, w):
+    # two sizes no guard ties: x's rows and a cache's, one longer in a decoder's steps
+    return torch.relu(x @ w).softmax(-1) * 2, cache * 2 + 1
+
+
+def test_sizes_that_move_by_one_step_are_one_size(monkeypatch):
+    # x's rows and the cache's are two symbols, one apart: they move together, so one
+    # sized module runs them all; where they part, that call compiles on its own
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    sized = _sized_graphs(monkeypatch)
+    w = torch.randn(16, 16)
+    g = torch.compile(_step, backend="eqfuse", dynamic=True)
+    for n, c in ((5, 6), (7, 8), (9, 10), (33, 34), (12, 20), (2, 3)):
+        x, cache = torch.randn(n, 16), torch.randn(c, 16)
+        for got, want in zip(g(x, cache, w), _step(x, cache, w)):
+            torch.testing.assert_close(got, want)
+    assert len(sized) == 1 and sized[0].sized.size_offset in (0, 1)
+    assert len(eqfuse.backend.history) == 2  # the first size and the one where they part
+
+
 def test_sizes_of_two_dimensions_compile_per_shape(caplog):
     # Both of x's dimensions change: a sized module follows one, so each shape compiles
     torch._dynamo.reset()
@@ -420,7 +441,8 @@ def test_history_titles_each_graph_by_its_kind():
                                                  "eqfuse plan for inference"], titles
 
 
-@pytest.mark.parametrize("mode, expected", [("max-autotune", {"autotune": True}),
+@pytest.mark.parametrize("mode, expected", [(None, {"autotune": False}), ("default", {"autotune": False}),
+                                            ("max-autotune", {"autotune": True}),
                                             ("max-autotune-no-cudagraphs", {"autotune": True, "cuda_graphs": False}),
                                             ("reduce-overhead", {"cuda_graphs": True})])
 def test_torch_compile_modes_become_eqfuse_options(monkeypatch, mode, expected):

@@ -5,8 +5,9 @@ the second shape a function meets). eqfuse compiles it for the first size it is 
 with, as any graph. At the second, it builds the sized module (codegen/sized.py) from
 the graph's plans at that size, the next and a far one, with the block sizes the first
 build chose: its kernels take the dynamic size at launch, so every later size runs the
-kernels compiled once. Symbols that change together, equal before and after (a
-decoder's cache of each layer), are one size. Where there is no sized module
+kernels compiled once. Symbols that move by the same step (a decoder's cache of each
+layer, its mask, the positions of the step: one length) are one size, each at its own
+distance from it. Where there is no sized module
 (``NotSized``: a kernel written otherwise at another size, a number that does not follow
 the size, an eager step that takes a view of the size's extent, symbols that change
 apart), each size compiles on its own.
@@ -73,16 +74,19 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     start = time.perf_counter()
     values = symbol_values(example_inputs, sizes, tensors)
     changed = [s for s, v in values.items() if first.get(s) != v]
-    # Symbols that were equal and still are move as one size (a decoder's cache of each
-    # layer, its mask: one length); at a call where they part, the module's layouts of its
-    # inputs no longer match (SizedGraph.accepts), and the call compiles on its own
-    if not changed or len({values[s] for s in changed}) != 1 or len({first.get(s) for s in changed}) != 1:
-        raise NotSized(f"{len(changed)} symbolic sizes changed since the first call "
-                       f"({', '.join(sorted(map(str, changed)))}), not as one; a sized module follows one size")
+    # Symbols that moved by one step together are one size, each at its own distance from
+    # it (a decoder's cache of each layer and its mask: one length; the positions a step
+    # covers: that length plus one); at a call where they part, the module's layouts of
+    # its inputs no longer match (SizedGraph.accepts), and the call compiles on its own
+    steps = {values[s] - first[s] for s in changed if s in first}
+    if not changed or len(steps) != 1 or any(s not in first for s in changed):
+        moves = ", ".join(f"{s} {first.get(s, '?')}->{values[s]}" for s in sorted(changed, key=str))
+        raise NotSized(f"{len(changed)} symbolic sizes changed since the first call ({moves}), not by one step; "
+                       "a sized module follows one size")
     value = values[changed[0]]
 
     def at(size) -> dict:
-        return {**values, **dict.fromkeys(changed, size)}
+        return {**values, **{s: size + values[s] - value for s in changed}}
 
     fn = fn_at(sizes)
     plan_a, captured = plan_only(fn, tensors, options)
