@@ -208,16 +208,29 @@ class _PerShape:
         compile chose; False (with the reason logged) where there is none."""
         from .codegen.sized import NotSized
         from .errors import EqfuseError
-        from .runtime import sized_graph
+        from .runtime import sized_graph, sized_layers
         from .runtime.compiled import CompiledGraph, Options
+        from .runtime.layered import LayeredGraph
 
         first = next((c for c in self.compiled.values() if c is not None), None)
+        options = Options.make(**self.options)
+        if isinstance(first, LayeredGraph):  # in the parts the first size was compiled in
+            try:
+                sized = sized_layers.build(self._bound, self.example_inputs, self.first, sizes, tensors, options,
+                                           first)
+                log.info("eqfuse: graph with symbolic sizes runs a sized module per part for every size "
+                         "(built in %.1f s)", sized.seconds)
+                return sized
+            except (NotSized, EqfuseError) as e:
+                log.info("eqfuse: graph with symbolic sizes: no sized module per part (%s); one for the whole graph", e)
+            except Exception as e:  # noqa: BLE001 - a bug in eqfuse: the whole graph's, as before
+                log.warning("eqfuse: sized parts failed (%s: %s); a sized module for the whole graph",
+                            type(e).__name__, e)
         # by kernel name: a graph compiled in parts names its kernels per part, not as the sized plans do
         whole = isinstance(first, CompiledGraph)
         configs = {info.name: info.config for info in (first.kernels if whole else ())}
         try:
-            sized = sized_graph.build(self._bound, self.example_inputs, self.first, sizes, tensors,
-                                      Options.make(**self.options), configs)
+            sized = sized_graph.build(self._bound, self.example_inputs, self.first, sizes, tensors, options, configs)
         except (NotSized, EqfuseError) as e:
             log.info("eqfuse: graph with symbolic sizes compiles per size: %s", e)
             return False
@@ -243,16 +256,11 @@ class _PerShape:
         """The graph at these sizes as a GraphModule of its tensors, traced with their
         metadata, so that its identical layers compile once (runtime/layered.py), as the
         graph's at static sizes do; the bound function where tracing fails."""
-        from torch.fx.experimental.proxy_tensor import make_fx
+        from .runtime.layered import traced
 
         bound = self._bound(sizes)
-        try:
-            gm = make_fx(bound, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
-        except Exception as e:  # noqa: BLE001 - compiled from the function instead, whole
-            log.info("eqfuse: graph at these sizes compiles whole: %s: %s", type(e).__name__, e)
-            return bound
-        gm.__name__ = bound.__name__
-        return gm
+        gm = traced(bound, tensors)
+        return bound if gm is None else gm
 
 
 # Training graphs modelled to run longer than this launch kernel by kernel (see below)

@@ -144,16 +144,22 @@ def test_generate_gives_eager_tokens(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "mistral"])
-def test_generation_compiles_the_decode_step_once_for_every_cache_length(name):
+def test_generation_compiles_the_decode_step_once_for_every_cache_length(name, monkeypatch):
     """Each new token's step reads a cache one longer: dynamo traces it again with the
-    length symbolic, and eqfuse runs every length from one sized module (the cache's
-    length and the length with the new token, one size plus one), its eager steps (the
-    embedding of the new token) included; the logits of every step are eager's. Mistral's
-    sliding-window cache has its step return the cache's length too (a size among the
-    outputs, computed from the call's sizes); its window is wider than the tokens here,
-    as a published model's is."""
+    length symbolic, and eqfuse runs every length from sized modules (the cache's
+    length and the length with the new token, one size plus one), one per part of the
+    step as its first length was compiled in (the layers' made once), its eager steps
+    (the embedding of the new token) included; the logits of every step are eager's.
+    Mistral's sliding-window cache has its step return the cache's length too (a size
+    among the outputs, computed from the call's sizes); its window is wider than the
+    tokens here, as a published model's is."""
+    from eqfuse.runtime import sized_layers
+
+    built = []
+    build = sized_layers.build
+    monkeypatch.setattr(sized_layers, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
     family = zoo.BY_NAME[name]
-    model = zoo.family_model(family, sizes={**zoo.TINY, **family.tiny, "sliding_window": 64}, layers=2,
+    model = zoo.family_model(family, sizes={**zoo.TINY, **family.tiny, "sliding_window": 64}, layers=3,
                              device=DEVICE)
     prompt = zoo.inputs(family, model, seq=5)["input_ids"]
 
@@ -170,6 +176,9 @@ def test_generation_compiles_the_decode_step_once_for_every_cache_length(name):
     # the prompt, the first step (its cache length static), then one build for every later length
     assert len(_compiled_graphs()) == 3, [type(g).__name__ for g in _compiled_graphs()]
     _assert_compiled(_compiled_graphs(), None)
+    (sized,) = built  # the blocks after the first run the first one's sized module
+    blocks = [c for p, c in zip(sized.runner.parts, sized.runner.compiled) if p.block is not None]
+    assert len(blocks) == 3 and all(c is blocks[0] for c in blocks) and hasattr(blocks[0], "sized")
 
 
 def test_any_model_class_is_built_tiny_from_its_config_class():

@@ -43,16 +43,40 @@ def layered(fn, example_inputs, options) -> LayeredGraph | None:
         return None
     if parts is None:
         return None
-    constants = _attributes(fn)
-    given = {**dict(zip(placeholders, example_inputs)), **constants}
-    values = {**{n: n.meta.get("val") for p in parts for n in p.inputs}, **given}
-    if any(not isinstance(values[n], torch.Tensor) for p in parts for n in p.inputs):
+    examples = part_inputs(fn, parts, example_inputs)
+    if examples is None:
         return None  # a part would read a value whose example it cannot make
     try:
-        return LayeredGraph(fn, placeholders, constants, parts, _fakes(values), options)
+        return LayeredGraph(fn, placeholders, _attributes(fn), parts, examples, options)
     except EqfuseError as e:  # a part its build refuses: the graph compiles whole, as it would have
         log.info("eqfuse: compiled whole, not in parts: %s", e)
         return None
+
+
+def traced(fn, tensors: list) -> fx.GraphModule | None:
+    """``fn`` traced on ``tensors`` (fake tensors made from them) as a GraphModule whose
+    values carry their metadata, as ``layered`` takes it; None where tracing fails."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+    except Exception as e:  # noqa: BLE001 - compiled from the function instead, whole
+        log.info("eqfuse: graph at these sizes compiles whole: %s: %s", type(e).__name__, e)
+        return None
+    gm.__name__ = getattr(fn, "__name__", type(fn).__name__)
+    return gm
+
+
+def part_inputs(gm: fx.GraphModule, parts: list, example_inputs: list) -> dict:
+    """Each value a part reads -> its example (a fake tensor of one mode): the graph's
+    inputs and attributes as given, the others from their nodes' metadata; None where a
+    part reads a value that is not a tensor."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    given = {**dict(zip(placeholders, example_inputs)), **_attributes(gm)}
+    values = {**{n: n.meta.get("val") for p in parts for n in p.inputs}, **given}
+    if any(not isinstance(values[n], torch.Tensor) for p in parts for n in p.inputs):
+        return None
+    return _fakes(values)
 
 
 def _fakes(values: dict) -> dict:
@@ -83,15 +107,19 @@ class LayeredGraph:
     """A GraphModule compiled as its parts, in order (module docstring)."""
 
     def __init__(self, fn: fx.GraphModule, placeholders: list, constants: dict, parts: list, examples: dict,
-                 options):
+                 options, compiled: list | None = None):
+        """``compiled``: each part's compiled graph, made elsewhere (runtime/sized_layers.py);
+        by default each part is compiled here, on ``examples`` (node -> example value)."""
         from ..pipeline import shared_plans
         from .compiled import CompiledGraph
 
         self.fn, self.options, self.parts = fn, options, parts
         self._inputs = placeholders
         self._constants = constants  # get_attr node -> the module's tensor
-        with shared_plans():
-            self.compiled = [CompiledGraph(p.gm, [examples[n] for n in p.inputs], options) for p in parts]
+        if compiled is None:
+            with shared_plans():
+                compiled = [CompiledGraph(p.gm, [examples[n] for n in p.inputs], options) for p in parts]
+        self.compiled = compiled
         output = fn.graph.output_node().args[0]
         self._output = output
         last: dict = {}  # value -> the index of the last part reading it (len(parts): the output)

@@ -60,46 +60,108 @@ class SizedGraph:
         return self.finish(self.module.call_boxed(self.device, self.fallback_runners, args))
 
 
+class OneSize:
+    """The symbols of a call that moved since the first call, as one size: each moved by
+    the same step, so each is the size at its own distance from it (a decoder's cache of
+    each layer and its mask: one length; the positions a step covers: that length plus
+    one). Raises NotSized where they moved otherwise. ``value``: this call's size."""
+
+    def __init__(self, example_inputs, first: dict, sizes, tensors: list):
+        from ..codegen.sized import NotSized
+
+        self.example_inputs, self.sizes, self.tensors = example_inputs, sizes, tensors
+        self.values = symbol_values(example_inputs, sizes, tensors)
+        self.changed = [s for s, v in self.values.items() if first.get(s) != v]
+        # At a call where they part, the module's layouts of its inputs no longer match
+        # (``accepts``), and the call compiles on its own
+        steps = {self.values[s] - first[s] for s in self.changed if s in first}
+        if not self.changed or len(steps) != 1 or any(s not in first for s in self.changed):
+            moves = ", ".join(f"{s} {first.get(s, '?')}->{self.values[s]}" for s in sorted(self.changed, key=str))
+            raise NotSized(f"{len(self.changed)} symbolic sizes changed since the first call ({moves}), not by one "
+                           "step; a sized module follows one size")
+        self.value = self.values[self.changed[0]]
+
+    def at(self, size: int) -> dict:
+        """Each symbol's value where the size is ``size``."""
+        return {**self.values, **{s: size + self.values[s] - self.value for s in self.changed}}
+
+    def inputs_at(self, size: int) -> tuple:
+        """The size arguments and tensors at ``size`` (``_at``)."""
+        return _at(self.example_inputs, self.sizes, self.tensors, self.at(size))
+
+    def layouts(self, size: int) -> list:
+        """(shape, strides) of each tensor input at ``size``."""
+        values = self.at(size)
+        return [(tuple(_concrete(s, values) for s in x.shape), tuple(_concrete(s, values) for s in x.stride()))
+                for x in self.example_inputs if isinstance(x, torch.Tensor)]
+
+    def size_input(self) -> tuple:
+        """(tensor input, dimension, offset): where a call's size is read, the dimension
+        less the offset."""
+        tensor_inputs = [x for x in self.example_inputs if isinstance(x, torch.Tensor)]
+        for i, x in enumerate(tensor_inputs):
+            for d, s in enumerate(x.shape):
+                if isinstance(s, torch.SymInt) and s.node.expr in self.changed:
+                    return i, d, self.values[s.node.expr] - self.value
+        raise AssertionError("a size that changed is a tensor's dimension")  # symbol_values found it there
+
+
 def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, configs: dict) -> SizedGraph:
     """The sized graph of a graph with symbolic sizes, or NotSized/EqfuseError saying why
     there is none. ``fn_at(sizes)``: the graph with its size arguments bound;
     ``example_inputs``: dynamo's (symbolic); ``first``: the symbols' values at the first
     call; ``sizes``, ``tensors``: this call's size arguments (position, value) and
     tensors; ``configs``: block sizes by kernel name (the first call's build)."""
-    from ..codegen.sized import NotSized, PlansDiffer, far_size, sized_module
-    from ..errors import EqfuseError
-    from ..pipeline import _cublas, _load, _parallel, plan_only
-    from .compiled import VERSION, _unflattener
+    from ..codegen.sized import NotSized
+    from ..pipeline import plan_only
 
     start = time.perf_counter()
-    values = symbol_values(example_inputs, sizes, tensors)
-    changed = [s for s, v in values.items() if first.get(s) != v]
-    # Symbols that moved by one step together are one size, each at its own distance from
-    # it (a decoder's cache of each layer and its mask: one length; the positions a step
-    # covers: that length plus one); at a call where they part, the module's layouts of
-    # its inputs no longer match (SizedGraph.accepts), and the call compiles on its own
-    steps = {values[s] - first[s] for s in changed if s in first}
-    if not changed or len(steps) != 1 or any(s not in first for s in changed):
-        moves = ", ".join(f"{s} {first.get(s, '?')}->{values[s]}" for s in sorted(changed, key=str))
-        raise NotSized(f"{len(changed)} symbolic sizes changed since the first call ({moves}), not by one step; "
-                       "a sized module follows one size")
-    value = values[changed[0]]
-
-    def at(size) -> dict:
-        return {**values, **{s: size + values[s] - value for s in changed}}
-
+    step = OneSize(example_inputs, first, sizes, tensors)
     fn = fn_at(sizes)
     plan_a, captured = plan_only(fn, tensors, options)
-    title = getattr(fn, "__name__", "graph")
+
+    def plan_of(size):
+        sizes_x, tensors_x = step.inputs_at(size)
+        return plan_only(fn_at(sizes_x), tensors_x, options)[0]
+
+    def inputs_at(size):
+        # inputs that follow the size zeroed there (a valid index, a number), the others
+        # as this call has them
+        _, inputs = step.inputs_at(size)
+        return [t if any(t is x for x in tensors) else t.zero_() for t in inputs]
+
+    graph = sized_graph(plan_a, captured, plan_of, inputs_at, step.value, getattr(fn, "__name__", "graph"),
+                        tensors, options, configs)
+    # Run once here, at this call's size: a matmul's tiles chosen across sizes may not
+    # launch on this GPU (shared memory), where the per-size build would have passed over
+    # them to the next
+    try:
+        graph.call_boxed(list(tensors))
+    except Exception as e:  # noqa: BLE001 - whatever stops it, the graph compiles per size
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise NotSized(f"the sized module does not run at size {step.value}: {type(e).__name__}: {first_line}") from e
+    graph.seconds = time.perf_counter() - start
+    return graph
+
+
+def sized_graph(plan_a, captured, plan_of, inputs_at, value: int, title: str, tensors: list, options,
+                configs: dict) -> SizedGraph:
+    """The SizedGraph of a graph whose plan at this call's size ``value`` is ``plan_a``
+    (``captured``: its capture; ``tensors``: its inputs at ``value``); ``plan_of(size)``:
+    its plan at another size; ``inputs_at(size)``: inputs to launch its kernels on there."""
+    from ..codegen.sized import NotSized, PlansDiffer, far_size, sized_module
+    from ..errors import EqfuseError
+    from ..pipeline import _cublas, _load, _parallel
+    from .compiled import VERSION, _unflattener
+
     device = tensors[0].device
     constants = list(captured.constants)
     parallel = _parallel(options, tensors)
     plans = {value: plan_a}
 
-    def plan_of(size):
+    def plan_at(size):
         if size not in plans:
-            sizes_x, tensors_x = _at(example_inputs, sizes, tensors, at(size))
-            plans[size] = plan_only(fn_at(sizes_x), tensors_x, options)[0]
+            plans[size] = plan_of(size)
         return plans[size]
 
     def far_serves(base: int) -> bool:
@@ -107,16 +169,13 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
         # model fuses otherwise (a larger batch makes other fusions pay): base + 2 then,
         # which still shows a number that changes every other size
         try:
-            return [k.name for k in plan_of(far_size(base)).kernels] == [k.name for k in plan_of(base).kernels]
+            return [k.name for k in plan_at(far_size(base)).kernels] == [k.name for k in plan_at(base).kernels]
         except EqfuseError:
             return False
 
     def complete(size, plan, chosen):
-        # kernels launched alone, at the plan's size: inputs that follow the size zeroed
-        # there (a valid index, a number), the others as this call has them
-        _, inputs = _at(example_inputs, sizes, tensors, at(size))
-        inputs = [t if any(t is x for x in tensors) else t.zero_() for t in inputs]
-        return _with_runnable_configs(plan, chosen, title, inputs, constants, parallel)
+        # kernels launched alone, at the plan's size
+        return _with_runnable_configs(plan, chosen, title, inputs_at(size), constants, parallel)
 
     # From the plans at this size n, n + 1 and a far one; where the cost model breaks a tie
     # otherwise at n than at the sizes beside it (a Llama layer stores k's rotary embedding
@@ -125,7 +184,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
     use_far = True
     for base in (value, value + 1):
         use_far = use_far and far_serves(base)
-        samples = [(size, plan_of(size)) for size in (base, base + 1, far_size(base) if use_far else base + 2)]
+        samples = [(size, plan_at(size)) for size in (base, base + 1, far_size(base) if use_far else base + 2)]
         try:
             sized = sized_module(samples, title, VERSION, configs, complete if device.type == "cuda" else None,
                                  library=_cublas(device.type, options))
@@ -142,18 +201,8 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, con
         outcome = precompile(module_launches(module, sized.infos, samples[0][1], tensors + constants, size=value))
         if outcome.note:
             log.info("eqfuse: sized module: %s", outcome.note)
-    graph = SizedGraph(sized, module, device, constants, _unflattener(captured.out_spec),
-                       torch._C._get_cublas_allow_tf32(), 0.0)
-    # Run once here, at this call's size: a matmul's tiles chosen across sizes may not
-    # launch on this GPU (shared memory), where the per-size build would have passed over
-    # them to the next
-    try:
-        graph.call_boxed(list(tensors))
-    except Exception as e:  # noqa: BLE001 - whatever stops it, the graph compiles per size
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise NotSized(f"the sized module does not run at size {value}: {type(e).__name__}: {first_line}") from e
-    graph.seconds = time.perf_counter() - start
-    return graph
+    return SizedGraph(sized, module, device, constants, _unflattener(captured.out_spec),
+                      torch._C._get_cublas_allow_tf32(), 0.0)
 
 
 def _with_runnable_configs(plan, configs: dict, title: str, tensors: list, constants: list,
@@ -208,8 +257,7 @@ def _at(example_inputs, sizes, tensors, values: dict) -> tuple:
     """This call's size arguments and tensors with the symbols at ``values`` (new tensors,
     uninitialised, where a shape or stride follows them)."""
     def concrete(s):
-        return int(s.node.expr.subs(values)) if isinstance(s, torch.SymInt) else int(s)
-
+        return _concrete(s, values)
     new_sizes = tuple((i, concrete(example_inputs[i])) for i, _ in sizes)
     tensor_inputs = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     new_tensors = []
@@ -220,3 +268,7 @@ def _at(example_inputs, sizes, tensors, values: dict) -> tuple:
         else:
             new_tensors.append(t)
     return new_sizes, new_tensors
+
+
+def _concrete(s, values: dict) -> int:
+    return int(s.node.expr.subs(values)) if isinstance(s, torch.SymInt) else int(s)
