@@ -716,11 +716,14 @@ def test_any_over_no_elements_is_false_and_all_is_true():
         assert torch.equal(got, want)
 
 
-def test_gather_and_scatter_of_several_indices_per_row_run_in_eager_with_the_reason():
+def test_gather_of_several_indices_per_row_reads_them_and_scatter_runs_in_eager_with_the_reason():
     x, index = torch.randn(4, 9), torch.randint(0, 9, (4, 3))
     c = eqfuse.compile(lambda x, i: x.gather(1, i) + 1, (x, index))
-    assert [fb.op for fb in c.fallbacks] == ["gather"] and "more than one index per row" in c.fallbacks[0].reason
+    assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
     assert_matches(c(x, index), x.gather(1, index) + 1)
+    c = eqfuse.compile(lambda x, i: x.scatter(1, i, 2.0) + 1, (x, index))
+    assert [fb.op for fb in c.fallbacks] == ["scatter"] and "more than one index per row" in c.fallbacks[0].reason
+    assert_matches(c(x, index), x.scatter(1, index, 2.0) + 1)
 
 
 def test_cross_entropy_forward_and_backward_have_no_eager_step():
@@ -914,3 +917,71 @@ def test_a_diagonal_of_an_input_is_a_view_of_it():
     computed = eqfuse.compile(lambda x: torch.diagonal(x * 3, 1, 1, 2), (x,))
     assert "diagonal of a computed value" in computed.explain()
     torch.testing.assert_close(computed(x), torch.diagonal(x * 3, 1, 1, 2), equal_nan=True, rtol=0, atol=0)
+
+
+def _table(dtype, rows=9, cols=6):
+    """A table whose rows hold special values (NaN, +-inf, -0.0, a denormal, the largest)."""
+    if not dtype.is_floating_point:
+        return torch.arange(rows * cols, dtype=dtype).reshape(rows, cols) - 20
+    return _special_rows(dtype)[:, :cols].repeat(2, 1)[:rows].contiguous()
+
+
+INDEXED_READS = {
+    "embedding": (lambda w, i: F.embedding(i, w), lambda: torch.tensor([[1, 3, 8], [0, 0, 2]])),
+    "index_select": (lambda w, i: w.t().index_select(1, i), lambda: torch.tensor([8, 0, 4, 4])),
+    "index_negative": (lambda w, i: w[i], lambda: torch.tensor([-1, 2, 5, -9])),
+    "index_middle_dim": (lambda w, i: w.reshape(3, 3, 6)[:, i], lambda: torch.tensor([[1, 2], [-3, 0]])),
+    "gather_rows": (lambda w, i: torch.gather(w, 1, i), lambda: torch.randint(0, 6, (9, 4))),
+    "gather_narrower": (lambda w, i: torch.gather(w, 0, i), lambda: torch.randint(0, 9, (3, 2))),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+@pytest.mark.parametrize("name", list(INDEXED_READS))
+def test_indexed_reads_are_kernels_that_copy_values_exactly(name, dtype):
+    """embedding, index_select, x[index], gather: one kernel, no eager step; every value
+    read as stored, NaN, infinities, -0.0 and denormals included."""
+    fn, index = INDEXED_READS[name]
+    torch.manual_seed(0)
+    w, i = _table(dtype), index()
+
+    def f(w, i):
+        return fn(w, i) * 1
+    c = eqfuse.compile(f, (w, i))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(w, i), f(w, i)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    if dtype.is_floating_point:
+        assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0]))
+
+
+def test_an_embedding_fuses_with_what_follows_and_counts_only_the_rows_it_reads():
+    """The embedding is read inside the kernel that uses it; the cost model counts the rows
+    read, not a vocabulary-wide table."""
+    from eqfuse.rewrite.cost import kernel_bytes
+    table, ids, scale = torch.randn(50_000, 64), torch.tensor([[7, 49_999, 0, 7]]), torch.randn(64)
+
+    def f(table, ids, scale):
+        x = F.embedding(ids, table)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+    c = eqfuse.compile(f, (table, ids, scale))
+    assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
+    torch.testing.assert_close(c(table, ids, scale), f(table, ids, scale))
+    (spec,) = c.plan.kernels
+    assert kernel_bytes(spec, c.plan.buffers) < 4 * 64 * 4 * 4
+
+
+def test_an_index_outside_the_table_reads_nan_where_eager_raises():
+    """A kernel cannot raise: an index past the table (eager: IndexError, or a device
+    assert on a GPU) reads NaN in its place, never another row or memory outside."""
+    table = torch.randn(5, 3)
+
+    def f(table, ids):
+        return F.embedding(ids, table) + 1
+    c = eqfuse.compile(f, (table, torch.tensor([0, 4, 1, 2])))
+    ids = torch.tensor([4, 5, -1, 2])
+    with pytest.raises(IndexError):
+        f(table, ids)
+    got = c(table, ids)
+    assert torch.isnan(got[1:3]).all()
+    torch.testing.assert_close(got[[0, 3]], table[[4, 2]] + 1)

@@ -199,7 +199,7 @@ def test_a_graph_traced_with_fake_tensors_is_checked_on_its_first_real_inputs(mo
         assert_matches(got, f(types, x))
     [graph] = eqfuse.backend.history
     assert graph.kernels and not graph.report.get("note"), graph.explain()
-    assert [fb.node for fb in graph.fallbacks] == ["embedding"], graph.explain()
+    assert not graph.fallbacks and "embedding" in graph.explain(), graph.explain()  # read in a kernel
     assert len(checked) == 1 and any(x is types for x in checked[0])
     assert "validate" in graph.report["seconds"]
 

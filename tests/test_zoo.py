@@ -23,13 +23,10 @@ from eqfuse.runtime.layered import LayeredGraph
 # Per family, the ops that run as eager steps (ops with no kernel form yet). A tensor with
 # no elements (the cache's first keys) is an allocation, not an eager step.
 EAGER_OPS = {
-    "llama": {"embedding"}, "qwen2": {"embedding"}, "mistral": {"embedding"}, "gpt2": {"embedding"},
-    "phi3": {"embedding"}, "gemma2": {"embedding"}, "gpt_neox": {"embedding"},
-    "opt": {"embedding"},
-    "mixtral": {"embedding", "empty_permuted", "grouped_mm_fallback", "histc", "index",
-                "index_put", "sort", "topk"},
-    "bert": {"embedding", "gather", "index"}, "roberta": {"embedding", "gather", "index"},
-    "t5": {"embedding", "index"}, "bart": {"embedding", "index"},
+    "llama": set(), "qwen2": set(), "mistral": set(), "gpt2": set(), "phi3": set(), "gemma2": set(),
+    "gpt_neox": set(), "opt": set(),
+    "mixtral": {"empty_permuted", "grouped_mm_fallback", "histc", "index_put", "sort", "topk"},
+    "bert": {"index"}, "roberta": {"index"}, "t5": {"index"}, "bart": {"index"},
     "vit": {"convolution"},
 }
 # Training graphs: the backward's ops too (an embedding's backward, ...)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..schema.plan import PNode
-from .indexing import Digit, Env, Idx, env_key, shifted_env, strided_offset
+from .indexing import ZERO, Digit, Env, Idx, env_key, gathered_env, shifted_env, strided_offset
 
 INDEX_MAPS = ("broadcast", "reshape", "permute", "slice")
 
@@ -39,6 +39,11 @@ def _walk(node: PNode, env: Env, out: list, seen: set):
         anywhere = Idx("True")
         for part, shift in ((a, 0), (b, a.shape[dim])):
             _walk(part, replace(shifted_env(env, dim, shift, part.shape, anywhere), groups=env.groups), out, seen)
+    elif node.op == "gather":  # the table's reads along its other dims run as stored (a row of an embedding)
+        (dim,) = node.attrs
+        table, index = node.args
+        _walk(index, env, out, seen)
+        _walk(table, gathered_env(env, dim, ZERO, table.shape, digits=True), out, seen)
     elif node.op != "reduce":
         for a in node.args:
             if tuple(a.shape) == tuple(env.shape):  # a rank-0 operand is the same everywhere

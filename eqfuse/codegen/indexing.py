@@ -265,5 +265,19 @@ def shifted_env(env: Env, dim, shift, src_shape, cond: Idx) -> Env:
     return Env(tuple(src_shape), tuple(dims), None, groups, guard)
 
 
+def gathered_env(env: Env, dim: int, index: Idx, src_shape, digits: bool = False) -> Env:
+    """Where a gather's table is evaluated: the gather's environment with ``dim`` read at
+    ``index`` (a value loaded in the kernel, which no digit describes). ``digits``: the
+    other dims keep theirs, for the analyses of which way reads run (codegen/access.py),
+    where ``index`` stands for any row; index maps below the table, evaluated, would take
+    a digit for the gathered dim's index."""
+    dims = list(env.dims)
+    dims[dim] = index
+    groups = None
+    if digits and env.groups is not None:
+        groups = tuple(() if d == dim else g for d, g in enumerate(env.groups))
+    return Env(tuple(src_shape), tuple(dims), None, groups, env.guard)
+
+
 def env_key(env: Env):
     return (env.shape, env.dims, env.guard)

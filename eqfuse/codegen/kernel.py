@@ -44,6 +44,7 @@ from .indexing import (
     broadcast_env,
     env_key,
     env_of,
+    gathered_env,
     permute_env,
     reshape_env,
     shifted_env,
@@ -656,6 +657,17 @@ class KernelWriter:
         va = self.emit(a, shifted_env(env, dim, 0, a.shape, first))
         vb = self.emit(b, shifted_env(env, dim, n0, b.shape, second))
         return self.assign(f"tl.where({first.expr}, {va.expr}, {vb.expr})", va.axes | vb.axes | d.axes)
+
+    def _emit_gather(self, node, env):
+        (dim,) = node.attrs
+        x, index = node.args
+        i = self.emit(index, env)
+        inside = self.assign(f"(({i.expr} >= 0) & ({i.expr} < {x.shape[dim]}))", i.axes)
+        # an index outside the table reads row 0 (a valid address), then NaN (0) in its place
+        safe = self.assign(f"tl.where({inside.expr}, {i.expr}, 0)", i.axes)
+        v = self.emit(x, gathered_env(env, dim, Idx(safe.expr, safe.axes), x.shape))
+        missing = "float('nan')" if ops.is_float(node.dtype) else "0"
+        return self.assign(f"tl.where({inside.expr}, {v.expr}, {missing})", v.axes | inside.axes)
 
     def _emit_dot(self, node, env):
         # Every product is computed up front at the output tile (emit_dots); reaching one

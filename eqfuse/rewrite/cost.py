@@ -97,13 +97,26 @@ def load_footprint(node: PNode) -> int:
 
 def kernel_bytes(spec: KernelSpec, buffers: dict) -> int:
     reads: dict[str, int] = {}
+    gathered = _gathered(spec)
     for n in spec.walk():
         if n.op == "load":
             buf = n.attrs[0]
-            nbytes = min(load_footprint(n), buffers[buf].numel) * ops.itemsize(n.dtype)
+            nbytes = min(load_footprint(n), buffers[buf].numel, gathered.get(id(n), math.inf)) * ops.itemsize(n.dtype)
             reads[buf] = max(reads.get(buf, 0), nbytes)
     writes = sum(buffers[b].numel * ops.itemsize(buffers[b].dtype) for _, b in spec.roots)
     return sum(reads.values()) + writes
+
+
+def _gathered(spec: KernelSpec) -> dict:
+    """id of a load under a gather's table -> the elements the gather reads of it at most
+    (an embedding reads a table's rows for its tokens, not the table)."""
+    found: dict = {}
+    for n in spec.walk():
+        if n.op == "gather":
+            for below in n.args[0].walk():
+                if below.op == "load":
+                    found[id(below)] = max(found.get(id(below), 0), n.numel)
+    return found
 
 
 OPERAND_TILE = 128  # a matmul operand is computed once per output tile it meets

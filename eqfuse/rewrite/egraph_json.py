@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 CONSTRUCTORS = {"Input", "Kernel", "Load", "LoadStrided", "Const", "Iota", "Where", "Cast", "Broadcast",
-                "Reshape", "Permute", "Slice", "Cat", "Dot", "ExpDot", "ExpSum"}
+                "Reshape", "Permute", "Slice", "Cat", "Gather", "Dot", "ExpDot", "ExpSum"}
 OPERATOR_KINDS = ("Unary_", "Binary_", "Reduce_")  # Binary_add -> ENode("Binary", ("add", ...))
 
 

@@ -42,6 +42,7 @@ from .egraph_json import EGraphView, ENode
 
 OP_COST = {"Load": 1.0, "LoadStrided": 1.0, "Const": 0.01, "Iota": 0.1, "Where": 1.0, "Cast": 0.5,
            "Reduce": 2.0, "Broadcast": 0.05, "Reshape": 0.05, "Permute": 0.05, "Slice": 0.05, "Cat": 1.0,
+           "Gather": 1.0,
            "Dot": 2.0, "ExpDot": 3.0, "ExpSum": 2.0}
 # The ops a value computed from indices and constants alone is made of (see _from_indices).
 INDEX_OPS = {"Iota", "Const", "Unary", "Binary", "Where", "Cast", "Broadcast", "Reshape", "Permute", "Slice"}
@@ -164,6 +165,9 @@ class Extractor:
             shape = list(x[0])
             shape[a[1]] = a[4]
             return (tuple(shape), x[1])
+        if op == "Gather":
+            x, index = t(a[0]), t(a[1])
+            return x and index and (index[0], x[1])
         if op == "Cat":
             x, y = t(a[0]), t(a[1])
             if not (x and y):
@@ -215,6 +219,9 @@ class Extractor:
             return size, [math.ceil(nn / DOT_TILE), math.ceil(m / DOT_TILE)]
         if n.op == "ExpDot" and len(shape) >= 2:  # scores once per row tile, values per row tile
             return size, [1.0, math.ceil(shape[-2] / DOT_TILE)]
+        if n.op == "Gather":  # the table only where it is read
+            table = self.types.get(kids[0])
+            return size, [size / max(1, math.prod(table[0])) if table else 1.0, 1.0]
         return size, [1.0] * len(kids)
 
     def _inline_choices(self) -> dict[str, ENode]:
@@ -709,6 +716,8 @@ class Extractor:
             op, attrs, kids = "slice", (a[1], a[2], a[3]), (a[0],)
         elif op == "Cat":
             op, attrs, kids = "cat", (a[2],), (a[0], a[1])
+        elif op == "Gather":
+            op, attrs, kids = "gather", (a[2],), (a[0], a[1])
         elif op in ("Dot", "ExpDot"):
             op, attrs, kids = op.lower(), (), (a[0], a[1])
         else:

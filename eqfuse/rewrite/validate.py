@@ -61,6 +61,12 @@ def _apply(node: PNode, a: list, shape: tuple, device) -> torch.Tensor:
         return a[0][tuple(index)]
     if op == "cat":
         return torch.cat([a[0], a[1]], at[0])
+    if op == "gather":  # as the kernel reads: NaN (0) outside the table, where eager raises
+        dim = at[0]
+        n = node.args[0].shape[dim]
+        inside = (a[1] >= 0) & (a[1] < n)
+        got = torch.gather(a[0], dim, torch.where(inside, a[1], 0).to(torch.int64))
+        return torch.where(inside, got, torch.nan if got.is_floating_point() else 0)
     if op == "dot":
         return _product(a[0], a[1], node.args)
     if op == "expdot":  # the weights are rounded to the values' dtype, as the kernel multiplies them
@@ -240,6 +246,8 @@ def _arg_dims(node: PNode, dim: int) -> list:
         return [None]
     if op == "reduce" and dim == rank - 1:
         return [None]
+    if op == "gather":  # the table whole along its dim, else both alike
+        return [None if dim == node.attrs[0] else dim, dim]
     # Pointwise ops, broadcasts, batch dims of products, reductions over the last dim, a
     # slice or cat along another dim: arguments line up from the right.
     dims = []

@@ -1093,6 +1093,77 @@ def _part(tr, x, dim: int, start: int, size: int):
     return Computed(term, tuple(sub_shape), x.dtype)
 
 
+# --- indexing: reads at indices the kernel loads ----------------------------------------------
+
+def _index_entry(index) -> None:
+    if not isinstance(index, (BufferView, Computed)) or not ops.is_int(index.dtype):
+        raise Unsupported("an index that is not an integer tensor")
+
+
+def _take(tr, x, dim: int, index, wrap: bool = False) -> Computed:
+    """``x``'s slices along ``dim`` at the values of ``index`` (any shape, flattened), as
+    ``index_select``; ``wrap``: a negative index counts from the end (``x[index]``)."""
+    _index_entry(index)
+    n = math.prod(index.shape)
+    t = tr.t
+    iv = tr.value(index)
+    if tuple(index.shape) != (n,):
+        iv = tr.mk(t.Reshape(iv, tr.ivec((n,))), index.dtype, (n,))
+    if wrap:
+        negative = tr.mk(t.Binary("lt", iv, tr.const(0, index.dtype)), "bool", (n,))
+        wrapped = tr.mk(t.Binary("add", iv, tr.const(x.shape[dim], index.dtype)), index.dtype, (n,))
+        iv = tr.mk(t.Where(negative, wrapped, iv), index.dtype, (n,))
+    shape = tuple(n if d == dim else s for d, s in enumerate(x.shape))
+    lined = tuple(n if d == dim else 1 for d in range(len(shape)))
+    if lined != (n,):
+        iv = tr.mk(t.Reshape(iv, tr.ivec(lined)), index.dtype, lined)
+    if lined != shape:
+        iv = tr.mk(t.Broadcast(iv, tr.ivec(shape)), index.dtype, shape)
+    return Computed(tr.mk(t.Gather(tr.value(x), iv, dim), x.dtype, shape), shape, x.dtype)
+
+
+def _shaped(tr, entry: Computed, shape) -> Computed:
+    shape = tuple(shape)
+    if tuple(entry.shape) == shape:
+        return entry
+    return Computed(tr.mk(tr.t.Reshape(entry.term, tr.ivec(shape)), entry.dtype, shape), shape, entry.dtype)
+
+
+@handles(aten.index_select)
+def _index_select(tr, node, x, dim, index):
+    return _shaped(tr, _take(tr, x, dim % max(1, len(x.shape)), index), _out(node)[0])
+
+
+@handles(aten.embedding)
+def _embedding(tr, node, weight, indices, *args, **kw):
+    """A table's rows at the indices (padding_idx and the rest change only the backward)."""
+    return _shaped(tr, _take(tr, weight, 0, indices), _out(node)[0])
+
+
+@handles(aten.index)
+def _index(tr, node, x, indices):
+    """``x[..., index, ...]``: one integer index tensor, at any dim after full slices
+    (``None`` entries); several (broadcast together) or a mask run in eager."""
+    given = [d for d, i in enumerate(indices) if i is not None]
+    if len(given) != 1:
+        raise Unsupported(f"indexing with {len(given)} index tensors")
+    (dim,) = given
+    return _shaped(tr, _take(tr, x, dim, indices[dim], wrap=True), _out(node)[0])
+
+
+def _gathered(tr, x, dim: int, index) -> Computed:
+    """``torch.gather``: ``x`` (narrowed to ``index``'s extent in the other dims) read
+    along ``dim`` at ``index``."""
+    _index_entry(index)
+    if len(index.shape) != len(x.shape) or not x.shape:
+        raise Unsupported("gather of a scalar or across ranks")
+    for d, size in enumerate(index.shape):
+        if d != dim and size != x.shape[d]:
+            x = _part(tr, x, d, 0, size)
+    shape = tuple(index.shape)
+    return Computed(tr.mk(tr.t.Gather(tr.value(x), tr.value(index), dim), x.dtype, shape), shape, x.dtype)
+
+
 @handles(aten.constant_pad_nd)
 def _constant_pad_nd(tr, node, x, pad, value=0):
     """``F.pad(x, pad, value=value)``: along each dim ``pad`` names (the last dim first, a
@@ -1285,12 +1356,14 @@ _ZERO = {True: -0.0, False: 0}  # the sum's identity: -0.0 + x is x, the sign of
 def _gather(tr, node, x, dim, index, sparse_grad=False):
     """``x.gather(dim, index)`` with one index per row: the row's sum of ``x`` where the
     position is the index, -0.0 elsewhere (exact: one value and zeros; NaN or inf elsewhere
-    in the row are not selected). A -0.0 selected comes back +0.0, as from every sum of
-    eqfuse's kernels (their reductions start at +0.0)."""
-    dim = _one_per_row(x, index, dim)
+    in the row are not selected), which fuses into the row's other reductions (a
+    cross-entropy's log-softmax). A -0.0 selected comes back +0.0, as from every sum of
+    eqfuse's kernels (their reductions start at +0.0). Otherwise an indirect read (``_gathered``)."""
+    one = _one_per_row(x, index, dim)
     shape, dt = _out(node)
-    if dim is None or not (ops.is_float(dt) or dt in ("int64", "int32")):
-        raise Unsupported("gather with more than one index per row (an indirect load has no kernel form yet)")
+    if one is None or not (ops.is_float(dt) or dt in ("int64", "int32")):
+        return _gathered(tr, x, dim % max(1, len(x.shape)), index)
+    dim = one
     fill = tr.const(_ZERO[ops.is_float(dt)], dt)
     picked = tr.mk(tr.t.Where(_is_index(tr, x, index, dim), tr.operand(x, x.shape, dt), fill), dt, tuple(x.shape))
     return _reduce(tr, Computed(picked, tuple(x.shape), dt), [dim], True, "sum", dt, shape)[0]

@@ -266,6 +266,11 @@ def is_float(dtype: str) -> bool:
     return DTYPES[dtype].is_floating_point
 
 
+def is_int(dtype: str) -> bool:
+    """An integer dtype (bool is not one)."""
+    return dtype != "bool" and not DTYPES[dtype].is_floating_point and not DTYPES[dtype].is_complex
+
+
 def reduce_identity(op: str, dtype: str):
     """The value reduction ``op`` starts from in ``dtype``: -inf for a float max, the
     smallest integer for an integer one (an int64 max over a row: multilabel_margin_loss)."""

@@ -46,7 +46,7 @@ def _walk_from(roots) -> list:
 @dataclass(eq=False)
 class PNode:
     op: str  # load const iota unary binary where cast reduce broadcast reshape permute slice cat
-    #          dot expdot expsum
+    #          gather dot expdot expsum
     attrs: tuple
     args: tuple
     shape: tuple

@@ -104,6 +104,14 @@ def Cat(a: Value, b: Value, dim: i64Like) -> Value:
 
 
 @function
+def Gather(x: Value, index: Value, dim: i64Like) -> Value:
+    """``x`` read along ``dim`` at ``index``'s values (``torch.gather``): the result has
+    ``index``'s shape, which is ``x``'s in every other dim. An index outside ``x`` reads
+    NaN (0 for integers) where eager raises: the kernel cannot raise, and must not read
+    outside the buffer."""
+
+
+@function
 def Dot(a: Value, b: Value) -> Value:
     """Matrix product over the last axis of ``a`` and the second-last of ``b``:
     ``[*batch, M, K] x [*batch, K, N] -> [*batch, M, N]`` (same batch dims; a broadcast
