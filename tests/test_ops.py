@@ -931,6 +931,8 @@ INDEXED_READS = {
     "index_select": (lambda w, i: w.t().index_select(1, i), lambda: torch.tensor([8, 0, 4, 4])),
     "index_negative": (lambda w, i: w[i], lambda: torch.tensor([-1, 2, 5, -9])),
     "index_middle_dim": (lambda w, i: w.reshape(3, 3, 6)[:, i], lambda: torch.tensor([[1, 2], [-3, 0]])),
+    "index_two_tensors": (lambda w, i: w[i, (i * 7) % 6 - 2], lambda: torch.tensor([[1, -2, 8], [0, 3, -9]])),
+    "index_two_broadcast": (lambda w, i: w.reshape(3, 3, 6)[:, i[:, None], i[:2]], lambda: torch.tensor([2, 0, -1])),
     "gather_rows": (lambda w, i: torch.gather(w, 1, i), lambda: torch.randint(0, 6, (9, 4))),
     "gather_narrower": (lambda w, i: torch.gather(w, 0, i), lambda: torch.randint(0, 9, (3, 2))),
 }
@@ -985,3 +987,7 @@ def test_an_index_outside_the_table_reads_nan_where_eager_raises():
     got = c(table, ids)
     assert torch.isnan(got[1:3]).all()
     torch.testing.assert_close(got[[0, 3]], table[[4, 2]] + 1)
+    # two indices: one past its dim reads NaN, not the element its merged index lands on
+    c = eqfuse.compile(lambda table, i, j: table[i, j] + 1, (table, torch.tensor([0, 1]), torch.tensor([0, 1])))
+    got = c(table, torch.tensor([0, 1]), torch.tensor([3, 1]))
+    assert torch.isnan(got[0]) and got[1] == table[1, 1] + 1

@@ -26,7 +26,7 @@ EAGER_OPS = {
     "llama": set(), "qwen2": set(), "mistral": set(), "gpt2": set(), "phi3": set(), "gemma2": set(),
     "gpt_neox": set(), "opt": set(),
     "mixtral": {"empty_permuted", "grouped_mm_fallback", "histc", "index_put", "sort", "topk"},
-    "bert": {"index"}, "roberta": {"index"}, "t5": {"index"}, "bart": {"index"},
+    "bert": set(), "roberta": set(), "t5": set(), "bart": set(),
     "vit": {"convolution"},
 }
 # Training graphs: the backward's ops too (an embedding's backward, ...)

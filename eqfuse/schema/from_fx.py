@@ -1142,13 +1142,52 @@ def _embedding(tr, node, weight, indices, *args, **kw):
 
 @handles(aten.index)
 def _index(tr, node, x, indices):
-    """``x[..., index, ...]``: one integer index tensor, at any dim after full slices
-    (``None`` entries); several (broadcast together) or a mask run in eager."""
+    """``x[..., i, j, ...]``: integer index tensors at adjacent dims after full slices
+    (``None`` entries), broadcast together: one index into those dims merged (an index
+    outside its dim reads NaN, as one outside the table does). Apart (their result's
+    dims move to the front) or a mask: eager."""
     given = [d for d, i in enumerate(indices) if i is not None]
-    if len(given) != 1:
-        raise Unsupported(f"indexing with {len(given)} index tensors")
-    (dim,) = given
-    return _shaped(tr, _take(tr, x, dim, indices[dim], wrap=True), _out(node)[0])
+    if not given or given != list(range(given[0], given[-1] + 1)):
+        raise Unsupported(f"indexing with {len(given)} index tensors apart")
+    if len(given) == 1:
+        return _shaped(tr, _take(tr, x, given[0], indices[given[0]], wrap=True), _out(node)[0])
+    for i in (indices[d] for d in given):
+        _index_entry(i)
+    merged = _merged_index(tr, x, given, [indices[d] for d in given])
+    k, sizes = given[0], [x.shape[d] for d in given]
+    flat_shape = tuple(x.shape[:k]) + (math.prod(sizes),) + tuple(x.shape[given[-1] + 1:])
+    flat = _shaped(tr, Computed(tr.value(x), tuple(x.shape), x.dtype), flat_shape)
+    return _shaped(tr, _take(tr, flat, k, merged), _out(node)[0])
+
+
+def _merged_index(tr, x, dims: list, indices: list) -> Computed:
+    """The index into ``x``'s ``dims`` merged (row-major) of the index tensors
+    ``indices``, broadcast together; -1 (outside) where one is outside its dim."""
+    t = tr.t
+    shape = tuple(torch.broadcast_shapes(*[tuple(i.shape) for i in indices]))
+    merged = inside = None
+    for d, index in zip(dims, indices):
+        n = x.shape[d]
+        v = tr.operand(_ranked(tr, index, len(shape)), shape, "int64")
+        negative = tr.mk(t.Binary("lt", v, tr.const(0, "int64")), "bool", shape)
+        v = tr.mk(t.Where(negative, tr.mk(t.Binary("add", v, tr.const(n, "int64")), "int64", shape), v), "int64", shape)
+        ok = tr.mk(t.Binary("and", tr.mk(t.Binary("ge", v, tr.const(0, "int64")), "bool", shape),
+                            tr.mk(t.Binary("lt", v, tr.const(n, "int64")), "bool", shape)), "bool", shape)
+        inside = ok if inside is None else tr.mk(t.Binary("and", inside, ok), "bool", shape)
+        if merged is not None:
+            merged = tr.mk(t.Binary("mul", merged, tr.const(n, "int64")), "int64", shape)
+            v = tr.mk(t.Binary("add", merged, v), "int64", shape)
+        merged = v
+    merged = tr.mk(t.Where(inside, merged, tr.const(-1, "int64")), "int64", shape)
+    return Computed(merged, shape, "int64")
+
+
+def _ranked(tr, entry, rank: int):
+    """``entry`` with leading dims of 1 up to ``rank`` (broadcasting aligns from the right)."""
+    if len(entry.shape) == rank:
+        return entry
+    shape = (1,) * (rank - len(entry.shape)) + tuple(entry.shape)
+    return Computed(tr.mk(tr.t.Reshape(tr.value(entry), tr.ivec(shape)), entry.dtype, shape), shape, entry.dtype)
 
 
 def _gathered(tr, x, dim: int, index) -> Computed:
