@@ -929,6 +929,7 @@ def _table(dtype, rows=9, cols=6):
 INDEXED_READS = {
     "embedding": (lambda w, i: F.embedding(i, w), lambda: torch.tensor([[1, 3, 8], [0, 0, 2]])),
     "index_select": (lambda w, i: w.t().index_select(1, i), lambda: torch.tensor([8, 0, 4, 4])),
+    "index_select_scalar": (lambda w, i: w[2, 3].index_select(0, i), lambda: torch.tensor([0])),
     "index_negative": (lambda w, i: w[i], lambda: torch.tensor([-1, 2, 5, -9])),
     "index_middle_dim": (lambda w, i: w.reshape(3, 3, 6)[:, i], lambda: torch.tensor([[1, 2], [-3, 0]])),
     "index_two_tensors": (lambda w, i: w[i, (i * 7) % 6 - 2], lambda: torch.tensor([[1, -2, 8], [0, 3, -9]])),

@@ -1104,6 +1104,8 @@ def _take(tr, x, dim: int, index, wrap: bool = False) -> Computed:
     """``x``'s slices along ``dim`` at the values of ``index`` (any shape, flattened), as
     ``index_select``; ``wrap``: a negative index counts from the end (``x[index]``)."""
     _index_entry(index)
+    if not x.shape:  # a scalar's index_select: the scalar as one element
+        x = _shaped(tr, Computed(tr.value(x), (), x.dtype), (1,))
     n = math.prod(index.shape)
     t = tr.t
     iv = tr.value(index)
