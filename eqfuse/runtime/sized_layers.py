@@ -84,7 +84,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, lay
     gm, parts, examples = parts_at(step.value)
     compiled, by_run = [], {}
     for i, part in enumerate(parts):
-        if part.block and part.run in by_run:
+        if part.block is not None and part.run in by_run:
             compiled.append(by_run[part.run])  # the run's first block's
             continue
         made = _sized_part(i, parts_at, step.value, layered.compiled[i], options, plan_only)
@@ -114,16 +114,18 @@ def _ops(part) -> str:
 
 def _sized_part(i: int, parts_at, value: int, first_build, options, plan_only):
     """Part ``i``'s sized graph, or ``first_build`` (the part as the first size compiled
-    it) where nothing the part reads follows the size."""
+    it) where neither what the part reads nor its code follows the size (a mask made
+    inside a part from the length alone is in its code)."""
     def inputs(size) -> list:
         _, parts, examples = parts_at(size)
         return [examples[n] for n in parts[i].inputs]
 
-    def layout(xs) -> list:
-        return [(tuple(x.shape), x.stride(), x.dtype) for x in xs]
+    def static(size) -> tuple:
+        _, parts, _ = parts_at(size)
+        return parts[i].gm.code, [(tuple(x.shape), x.stride(), x.dtype) for x in inputs(size)]
 
     here = inputs(value)
-    if layout(here) == layout(inputs(value + 1)):
+    if static(value) == static(value + 1):
         return first_build
 
     def real(xs) -> list:  # zeros (a valid index, a number) to launch the kernels on
