@@ -1,5 +1,5 @@
 """Random small graphs compiled against eager: pointwise ops, reductions, transposes,
-softmax, products, casts and views over inputs of small odd sizes, broadcast here and
+softmax, products, casts, views and reads at indices over inputs of small odd sizes, broadcast here and
 there. Each program is drawn from a seed, so a failure names the graph that shows it.
 The cases below the generator are what it found (each failed before its fix)."""
 
@@ -18,7 +18,8 @@ UNARY = [lambda x: torch.exp(-x.abs()), torch.relu, torch.tanh, torch.sigmoid, t
 BINARY = [torch.add, torch.mul, torch.sub, torch.maximum, torch.minimum, lambda a, b: a / (b.abs() + 1.0),
           torch.atan2]
 REDUCE = [torch.sum, torch.amax, torch.mean]
-STEPS = ["unary"] * 4 + ["binary"] * 4 + ["reduce"] * 2 + ["transpose", "softmax", "matmul", "cast", "view"]
+STEPS = ["unary"] * 4 + ["binary"] * 4 + ["reduce"] * 2 + ["transpose", "softmax", "matmul", "cast", "view",
+                                                             "index"]
 
 
 def random_program(seed: int):
@@ -53,6 +54,8 @@ def random_program(seed: int):
             return a.half().float() if flag else a * 1.0
         if kind == "view":
             return a.reshape(-1) if flag else a.unsqueeze(0)
+        if kind == "index" and a.dim():
+            return _indexed(a, k, flag)
         return UNARY[k % len(UNARY)](a)
 
     def f(*inputs):
@@ -64,6 +67,21 @@ def random_program(seed: int):
     return shapes, f
 
 
+def _indexed(a, k: int, flag: bool):
+    """``a`` read at a few indices along one dim (repeats and any order): index_select,
+    x[index] with indices from the end, or gather."""
+    d = k % a.dim()
+    n = a.shape[d]
+    index = torch.tensor([(k + 5 * t) % n for t in range(1 + k % 4)], device=a.device)
+    if flag:
+        return a.index_select(d, index)
+    if d == 0 and k % 3 == 0:
+        return a[index - n]
+    shape = list(a.shape)
+    shape[d] = len(index)
+    return torch.gather(a, d, index.reshape([-1 if e == d else 1 for e in range(a.dim())]).expand(shape))
+
+
 def _broadcastable(x: tuple, y: tuple) -> bool:
     """Whether two shapes broadcast to one of them (the other is not widened)."""
     dims = list(zip(reversed(x), reversed(y)))
@@ -72,7 +90,7 @@ def _broadcastable(x: tuple, y: tuple) -> bool:
                      or all(p in (q, 1) for p, q in dims) and len(y) >= len(x))
 
 
-@pytest.mark.parametrize("seed", range(48))
+@pytest.mark.parametrize("seed", range(160))
 def test_random_graph_matches_eager(seed):
     shapes, f = random_program(seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)
