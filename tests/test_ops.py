@@ -992,3 +992,44 @@ def test_an_index_outside_the_table_reads_nan_where_eager_raises():
     c = eqfuse.compile(lambda table, i, j: table[i, j] + 1, (table, torch.tensor([0, 1]), torch.tensor([0, 1])))
     got = c(table, torch.tensor([0, 1]), torch.tensor([3, 1]))
     assert torch.isnan(got[0]) and got[1] == table[1, 1] + 1
+
+
+WRITES_AT_ONE_POSITION = {
+    "index_copy": (lambda c, p, v: c.index_copy(2, p, v), lambda c: c[:, :, :1] * 3),
+    "index_add": (lambda c, p, v: c.index_add(2, p, v), lambda c: c[:, :, :1] * 3),
+    "index_put_from_the_end": (lambda c, p, v: c.index_put((p - c.shape[0],), v), lambda c: c[0] * 3),
+    "index_put_accumulate": (lambda c, p, v: c.index_put((p,), v, accumulate=True), lambda c: c[0] * 3),
+    "index_fill": (lambda c, p, v: c.index_fill(1, p, -0.0) + v.sum(), lambda c: c[:1, :1, :1, :1]),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITES_AT_ONE_POSITION))
+def test_a_write_at_one_position_is_a_kernel(name):
+    """A static cache's update at a decode step (index_copy at the step's position, as
+    index_put): the values there, the cache elsewhere, NaN, infinities and signed zeros
+    kept as they were; at more positions, an eager step with its reason."""
+    fn, values = WRITES_AT_ONE_POSITION[name]
+    cache = _special_rows(torch.float32)[:, :36].reshape(2, 4, 6, 6)
+    position, v = torch.tensor([1]), values(cache).contiguous()
+
+    def f(c, p, v):
+        return fn(c, p, v) * 1
+    c = eqfuse.compile(f, (cache, position, v))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(cache, position, v), f(cache, position, v)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0]))
+    c = eqfuse.compile(lambda c, p, v: c.index_copy(2, p, v.expand(2, 4, 2, 6).contiguous()),
+                       (cache, torch.tensor([1, 4]), cache[:, :, :1]))
+    assert [fb.op for fb in c.fallbacks] == ["index_put"] and "more than one position" in c.fallbacks[0].reason
+
+
+def test_a_write_outside_the_tensor_gives_nan_where_eager_raises():
+    cache, v = torch.randn(3, 5, 2), torch.randn(3, 1, 2)
+
+    def f(c, p, v):
+        return c.index_copy(1, p, v) + 1
+    c = eqfuse.compile(f, (cache, torch.tensor([2]), v))
+    with pytest.raises(IndexError):
+        f(cache, torch.tensor([5]), v)
+    assert torch.isnan(c(cache, torch.tensor([5]), v)).all()

@@ -178,6 +178,32 @@ def test_generation_compiles_the_decode_step_once_for_every_cache_length(name, m
     assert len(blocks) == 3 and all(c is blocks[0] for c in blocks) and hasattr(blocks[0], "sized")
 
 
+def test_generation_with_a_static_cache_has_a_decode_step_of_kernels_only():
+    """torch.compile's recipe for generation: a static cache (fixed shapes, the position a
+    runtime value). The decode step writes each layer's k and v at the step's position
+    (index_copy): a kernel, so the step holds no eager step; every step's logits are
+    eager's. (The prompt writes many positions at once: an eager step there.)"""
+    family = zoo.BY_NAME["llama"]
+    model = zoo.family_model(family, layers=LAYERS, device=DEVICE)
+    prompt = zoo.inputs(family, model, seq=5)["input_ids"]
+
+    def generate():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False, pad_token_id=model.config.eos_token_id, return_dict_in_generate=True,
+                             output_logits=True, cache_implementation="static")
+        return out.sequences, torch.stack(out.logits)
+    want_tokens, want_logits = generate()
+    model.forward = torch.compile(model.forward, backend="eqfuse")
+    got_tokens, got_logits = generate()
+    assert torch.equal(got_tokens, want_tokens)
+    _close(got_logits, want_logits, what="llama logits, static cache")
+    graphs = _compiled_graphs()
+    assert len(graphs) == 2, [type(g).__name__ for g in graphs]  # the prompt, one step for every position
+    prompt_graph, step = graphs
+    assert {f.op for f in prompt_graph.fallbacks} == {"index_put"}
+    assert step.kernels and not step.fallbacks, step.explain()
+
+
 def test_any_model_class_is_built_tiny_from_its_config_class():
     """``zoo.build`` shrinks any class's config by field name: a family is one line."""
     model = zoo.build("Qwen3ForCausalLM")

@@ -1425,6 +1425,46 @@ def _scatter(tr, node, base, dim, index, src, reduce=None):
                     shape, dt)
 
 
+@handles(aten.index_put)
+def _index_put(tr, node, x, indices, values, accumulate=False):
+    """``x.index_put(indices, values)`` at one position along one dim (a static cache's
+    update at a decode step's position, ``index_copy`` decomposed): ``values`` there, ``x``
+    elsewhere (``x`` plus them where accumulating), pointwise. A position outside ``x``
+    (eager raises) gives NaN throughout. More positions (an indirect store) run in eager."""
+    given = [d for d, i in enumerate(indices) if i is not None]
+    shape, dt = _out(node)
+    if len(given) != 1 or len(indices[given[0]].shape) > 1 or math.prod(indices[given[0]].shape) != 1:
+        raise Unsupported("index_put at more than one position (an indirect store has no kernel form yet)")
+    (dim,) = given
+    index = indices[dim]
+    _index_entry(index)
+    t = tr.t
+    slot = tuple(1 if d == dim else s for d, s in enumerate(shape))
+    if not isinstance(values, (BufferView, Computed)) or len(values.shape) > len(slot) or not _broadcastable_to(
+            values.shape, slot):
+        raise Unsupported("index_put of values shaped otherwise than the position they fill")
+    v = tr.operand(_ranked(tr, values, len(slot)), slot, dt)
+    if slot != shape:
+        v = tr.mk(t.Broadcast(v, tr.ivec(shape)), dt, shape)
+    ones = (1,) * len(shape)
+    position = _merged_index(tr, x, [dim], [index])  # -1 where outside
+    p = tr.mk(t.Broadcast(tr.mk(t.Reshape(position.term, tr.ivec(ones)), "int64", ones), tr.ivec(shape)),
+              "int64", shape)
+    here = tr.mk(t.Binary("eq", tr.mk(t.Iota(tr.ivec(shape), dim), "int64", shape), p), "bool", shape)
+    base = tr.operand(x, shape, dt)
+    new = tr.mk(t.Binary("add", base, v), dt, shape) if accumulate else v
+    out = tr.mk(t.Where(here, new, base), dt, shape)
+    if ops.is_float(dt):
+        outside = tr.mk(t.Binary("lt", p, tr.const(0, "int64")), "bool", shape)
+        out = tr.mk(t.Where(outside, tr.const(math.nan, dt), out), dt, shape)
+    return Computed(out, shape, dt)
+
+
+def _broadcastable_to(shape, target) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (aligned from the right)."""
+    return all(s in (1, g) for s, g in zip(reversed(tuple(shape)), reversed(tuple(target))))
+
+
 # Handlers that only move values (views, copies, concatenations): under
 # emulate_precision_casts their results need no rounding, their operands having had theirs,
 # and a rounding left out keeps the views rules free to compose them.
