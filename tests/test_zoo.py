@@ -176,6 +176,9 @@ def test_generation_compiles_the_decode_step_once_for_every_cache_length(name, m
     (sized,) = built  # the blocks after the first run the first one's sized module
     blocks = [c for p, c in zip(sized.runner.parts, sized.runner.compiled) if p.block is not None]
     assert len(blocks) == 3 and all(c is blocks[0] for c in blocks) and hasattr(blocks[0], "sized")
+    # the layouts a call is checked against, as numbers a + b * size, are the symbolic ones
+    assert sized.layouts != sized.exact_layouts
+    assert all(sized.layouts(n) == sized.exact_layouts(n) for n in (1, 2, 7, 30, 200))
 
 
 def test_generation_with_a_static_cache_has_a_decode_step_of_kernels_only():
