@@ -97,13 +97,16 @@ class OneSize:
 
     def size_input(self) -> tuple:
         """(tensor input, dimension, offset): where a call's size is read, the dimension
-        less the offset."""
+        less the offset; NotSized where only size arguments hold it (a full sliding-window
+        cache's length)."""
+        from ..codegen.sized import NotSized
+
         tensor_inputs = [x for x in self.example_inputs if isinstance(x, torch.Tensor)]
         for i, x in enumerate(tensor_inputs):
             for d, s in enumerate(x.shape):
                 if isinstance(s, torch.SymInt) and s.node.expr in self.changed:
                     return i, d, self.values[s.node.expr] - self.value
-        raise AssertionError("a size that changed is a tensor's dimension")  # symbol_values found it there
+        raise NotSized("no input has the dynamic size as a dimension of its own")
 
 
 def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, configs: dict) -> SizedGraph:

@@ -30,7 +30,7 @@ class SizedLayers:
         self.runner = runner  # a LayeredGraph
         self.exact_layouts = step.layouts  # from the symbolic shapes (slow: sympy)
         self.layouts = _linear_layouts(step) or step.layouts
-        self.size_input = step.size_input()
+        self.size_input = step.size_input()  # checked before the build
         self.max_size = max_size
         self.tf32 = tf32
         self.seconds = 0.0  # to build it
@@ -88,6 +88,7 @@ def build(fn_at, example_inputs, first: dict, sizes, tensors: list, options, lay
 
     start = time.perf_counter()
     step = OneSize(example_inputs, first, sizes, tensors)
+    step.size_input()  # before any work: NotSized where no input's dimension holds the size
     cut: dict = {}  # size -> (graph, its parts, their inputs' examples)
 
     def parts_at(size):
