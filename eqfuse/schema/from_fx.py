@@ -1100,9 +1100,9 @@ def _index_entry(index) -> None:
         raise Unsupported("an index that is not an integer tensor")
 
 
-def _take(tr, x, dim: int, index, wrap: bool = False) -> Computed:
+def _take(tr, x, dim: int, index) -> Computed:
     """``x``'s slices along ``dim`` at the values of ``index`` (any shape, flattened), as
-    ``index_select``; ``wrap``: a negative index counts from the end (``x[index]``)."""
+    ``index_select``."""
     _index_entry(index)
     if not x.shape:  # a scalar's index_select: the scalar as one element
         x = _shaped(tr, Computed(tr.value(x), (), x.dtype), (1,))
@@ -1111,10 +1111,6 @@ def _take(tr, x, dim: int, index, wrap: bool = False) -> Computed:
     iv = tr.value(index)
     if tuple(index.shape) != (n,):
         iv = tr.mk(t.Reshape(iv, tr.ivec((n,))), index.dtype, (n,))
-    if wrap:
-        negative = tr.mk(t.Binary("lt", iv, tr.const(0, index.dtype)), "bool", (n,))
-        wrapped = tr.mk(t.Binary("add", iv, tr.const(x.shape[dim], index.dtype)), index.dtype, (n,))
-        iv = tr.mk(t.Where(negative, wrapped, iv), index.dtype, (n,))
     shape = tuple(n if d == dim else s for d, s in enumerate(x.shape))
     lined = tuple(n if d == dim else 1 for d in range(len(shape)))
     if lined != (n,):
@@ -1151,8 +1147,6 @@ def _index(tr, node, x, indices):
     given = [d for d, i in enumerate(indices) if i is not None]
     if not given or given != list(range(given[0], given[-1] + 1)):
         raise Unsupported(f"indexing with {len(given)} index tensors apart")
-    if len(given) == 1:
-        return _shaped(tr, _take(tr, x, given[0], indices[given[0]], wrap=True), _out(node)[0])
     for i in (indices[d] for d in given):
         _index_entry(i)
     merged = _merged_index(tr, x, given, [indices[d] for d in given])
