@@ -12,7 +12,8 @@ dropout off: a GPU's fused attention draws its dropout masks by its own generato
 offsets, so that no two backends' steps are comparable with it on; and for decoders,
 ``generate`` mode: ``model.generate`` (greedy, KV cache on) of GENERATE_TOKENS tokens
 after a prompt of GENERATE_PROMPT at batch 1, the forward compiled as transformers'
-docs compile it (its pass: every token as eager's; bf16 near-ties may flip one). Reported per family,
+docs compile it (its pass: every token as eager's up to the first that differs, and that one
+a near-tie in eager's logits: within TIE of the largest). Reported per family,
 mode and contender, as Inductor's dashboard reports them: whether the compiled output is
 as close to a float32 evaluation of the model as eager's (the pass rate), the median
 time of a call (triton.testing.do_bench in interleaved rounds, L2 flushed), the speedups
@@ -53,6 +54,13 @@ SIZES = {zoo.DECODER: (4, 1024), zoo.ENCODER: (8, 512), zoo.SEQ2SEQ: (8, 512), z
 # differently (Mixtral: Inductor's and eqfuse's logits 0.46-0.96 off eager's at the
 # largest element), and eager's own routing differs from float32's as much.
 PASS_SLACK = 2.0 ** -8
+# Greedy decoding in bf16 on random weights meets near-ties: two tokens whose logits lie
+# within a few bf16 roundings of each other, which any backend that rounds differently
+# may flip (GPT-2: Inductor and eqfuse both take the other token at the same step). A
+# generation passes where the first token that differs from eager's is within TIE of
+# eager's choice (relative to the step's largest logit); after it the sequences differ
+# and nothing further is comparable.
+TIE = 2.0 ** -6
 
 
 def contenders(autotune: bool, recompute: bool = False, whole: bool = False) -> dict:
@@ -84,6 +92,31 @@ def generate_fn(model, prompt: torch.Tensor, how: dict | None):
         finally:
             model.__dict__.pop("forward", None)  # the class's forward again
     return generate
+
+
+def eager_scores(model, prompt: torch.Tensor) -> tuple:
+    """Eager's logits at each generated step (greedy; the tokens the reference chose)."""
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GENERATE_TOKENS,
+                              min_new_tokens=GENERATE_TOKENS, do_sample=False, pad_token_id=model.config.eos_token_id,
+                              output_scores=True, return_dict_in_generate=True).scores
+
+
+def judge_tokens(out: torch.Tensor, reference: torch.Tensor, scores: tuple) -> dict:
+    """tokens_as_eager (the share of equal tokens), and the pass: equal throughout, or the
+    first difference a near-tie in eager's logits at that step (``tie_margin``: eager's
+    best logit less its logit of the token chosen instead, over the largest |logit|)."""
+    found = {"tokens_as_eager": round((out == reference).float().mean().item(), 3)}
+    differ = (out != reference).any(0).nonzero()
+    if len(differ) == 0:
+        return {**found, "pass": True}
+    column = differ[0].item()
+    step = column - (reference.shape[1] - len(scores))
+    logits = scores[step].float()
+    row = (out[:, column] != reference[:, column]).nonzero()[0].item()
+    finite = logits[row][logits[row].isfinite()]
+    margin = (logits[row, reference[row, column]] - logits[row, out[row, column]]).item() / finite.abs().max().item()
+    return {**found, "first_difference": step, "tie_margin": float(f"{margin:.3g}"), "pass": bool(margin <= TIE)}
 
 
 def call_fn(model, kwargs: dict, how: dict | None, mode: str):
@@ -192,8 +225,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
                 reference = out
             elif generating:
                 entry["compile_s_cold"] = round(seconds, 2)
-                entry["tokens_as_eager"] = round((out == reference).float().mean().item(), 3)
-                entry["pass"] = entry["tokens_as_eager"] == 1.0
+                entry.update(judge_tokens(out, reference, eager_scores(model, kwargs["input_ids"])))
             else:
                 entry["compile_s_cold"] = round(seconds, 2)
                 err = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
