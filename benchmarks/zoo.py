@@ -12,8 +12,10 @@ dropout off: a GPU's fused attention draws its dropout masks by its own generato
 offsets, so that no two backends' steps are comparable with it on; and for decoders,
 ``generate`` mode: ``model.generate`` (greedy, KV cache on) of GENERATE_TOKENS tokens
 after a prompt of GENERATE_PROMPT at batch 1, the forward compiled as transformers'
-docs compile it (its pass: every token as eager's up to the first that differs, and that one
-a near-tie in eager's logits: within TIE of the largest). Reported per family,
+docs compile it, and ``static`` mode: the same with transformers' static cache, its decode
+step compiled by transformers itself (``compile_config``, mode "reduce-overhead": CUDA
+graphs) as its docs advise for speed (a generation's pass: every token as eager's up to
+the first that differs, and that one a near-tie in eager's logits: within TIE of the largest). Reported per family,
 mode and contender, as Inductor's dashboard reports them: whether the compiled output is
 as close to a float32 evaluation of the model as eager's (the pass rate), the median
 time of a call (triton.testing.do_bench in interleaved rounds, L2 flushed), the speedups
@@ -74,32 +76,50 @@ def contenders(autotune: bool, recompute: bool = False, whole: bool = False) -> 
 
 
 GENERATE_PROMPT, GENERATE_TOKENS = 128, 32
+GENERATING = ("generate", "static")  # the modes that call model.generate: its dynamic cache, its static cache
 
 
-def generate_fn(model, prompt: torch.Tensor, how: dict | None):
-    """``model.generate`` with its forward compiled by ``how`` (None: eager), put back
-    after each call, so that the contenders share one model."""
-    compiled = None if how is None else torch.compile(model.forward, **how)
+def generation(prompt: torch.Tensor, static: bool) -> dict:
+    """``model.generate``'s arguments: greedy, GENERATE_TOKENS new tokens; ``static``: with
+    transformers' static cache (fixed shapes, the position a tensor)."""
+    found = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=GENERATE_TOKENS,
+                 min_new_tokens=GENERATE_TOKENS, do_sample=False)
+    return {**found, "cache_implementation": "static"} if static else found
+
+
+def generate_fn(model, prompt: torch.Tensor, how: dict | None, static: bool = False):
+    """``model.generate`` compiled by ``how`` (None: eager) as transformers' docs compile it:
+    its forward (put back after each call, so that the contenders share one model); with
+    the static cache, transformers' own compile of the decode step (``compile_config``:
+    torch.compile's mode "reduce-overhead", CUDA graphs, unless autotuning)."""
+    kwargs = {**generation(prompt, static), "pad_token_id": model.config.eos_token_id}
+    compiled = None
+    if static:
+        from transformers import CompileConfig
+
+        kwargs["disable_compile"] = how is None
+        how = how or {}
+        mode = "max-autotune" if how.get("options", {}).get("autotune") else "reduce-overhead"
+        kwargs["compile_config"] = CompileConfig(backend=how.get("backend", "inductor"), mode=mode)
+    elif how is not None:
+        compiled = torch.compile(model.forward, **how)
 
     def generate():
         if compiled is not None:
             model.forward = compiled
         try:
             with torch.no_grad():
-                return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GENERATE_TOKENS,
-                                      min_new_tokens=GENERATE_TOKENS, do_sample=False,
-                                      pad_token_id=model.config.eos_token_id)
+                return model.generate(prompt, **kwargs)
         finally:
             model.__dict__.pop("forward", None)  # the class's forward again
     return generate
 
 
-def eager_scores(model, prompt: torch.Tensor) -> tuple:
+def eager_scores(model, prompt: torch.Tensor, static: bool) -> tuple:
     """Eager's logits at each generated step (greedy; the tokens the reference chose)."""
     with torch.no_grad():
-        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GENERATE_TOKENS,
-                              min_new_tokens=GENERATE_TOKENS, do_sample=False, pad_token_id=model.config.eos_token_id,
-                              output_scores=True, return_dict_in_generate=True).scores
+        return model.generate(prompt, **generation(prompt, static), pad_token_id=model.config.eos_token_id,
+                              disable_compile=True, output_scores=True, return_dict_in_generate=True).scores
 
 
 def judge_tokens(out: torch.Tensor, reference: torch.Tensor, scores: tuple) -> dict:
@@ -121,8 +141,8 @@ def judge_tokens(out: torch.Tensor, reference: torch.Tensor, scores: tuple) -> d
 
 def call_fn(model, kwargs: dict, how: dict | None, mode: str):
     """The call a contender (``how``: torch.compile's arguments, None for eager) is timed on."""
-    if mode == "generate":
-        return generate_fn(model, kwargs["input_ids"], how)
+    if mode in GENERATING:
+        return generate_fn(model, kwargs["input_ids"], how, static=mode == "static")
     return step_fn(model if how is None else torch.compile(model, **how), kwargs, mode == "train")
 
 
@@ -183,7 +203,17 @@ def eqfuse_graphs() -> dict:
     return {"graphs": len(graphs), "kernels": sum(len(g.kernels) for g in graphs),
             "cublas_calls": sum(len(g.library_calls) for g in graphs), "eager_ops": steps,
             "graphs_wholly_eager": whole, "compile_phases_s": compile_phases(graphs),
-            "explain": [g.explain() for g in graphs]}
+            "cuda_graph_replays": cuda_graph_replays(graphs), "explain": [g.explain() for g in graphs]}
+
+
+def cuda_graph_replays(graphs) -> int:
+    """Calls served by replaying a CUDA graph so far, over the graphs and their parts."""
+    found, todo = 0, list(graphs)
+    while todo:
+        g = todo.pop()
+        found += getattr(getattr(g, "graphs", None), "replays", 0)
+        todo += getattr(g, "compiled", None) or []
+    return found
 
 
 def compile_phases(graphs) -> dict:
@@ -197,7 +227,7 @@ def compile_phases(graphs) -> dict:
 
 
 def run_family(family: zoo.Family, mode: str, args) -> dict:
-    training, generating = mode == "train", mode == "generate"
+    training, generating = mode == "train", mode in GENERATING
     batch, seq = (1, GENERATE_PROMPT) if generating else SIZES[family.kind]
     model = zoo.family_model(family, train=training, sizes=family.published, layers=args.layers, dtype=torch.bfloat16,
                              device="cuda", dropout=False)
@@ -225,7 +255,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
                 reference = out
             elif generating:
                 entry["compile_s_cold"] = round(seconds, 2)
-                entry.update(judge_tokens(out, reference, eager_scores(model, kwargs["input_ids"])))
+                entry.update(judge_tokens(out, reference, eager_scores(model, kwargs["input_ids"], mode == "static")))
             else:
                 entry["compile_s_cold"] = round(seconds, 2)
                 err = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
@@ -346,7 +376,7 @@ def table(rows: list) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", nargs="+", default=[f.name for f in zoo.FAMILIES])
-    ap.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train", "generate"])
+    ap.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train", *GENERATING])
     ap.add_argument("--layers", type=int, default=2, help="layers of each model (0: as published)")
     ap.add_argument("--warm", action="store_true", help="also time a second compile with warm caches")
     ap.add_argument("--autotune", action="store_true")
@@ -360,7 +390,7 @@ def main():
     rows = []
     for mode in args.modes:
         for name in args.families:
-            if mode == "generate" and zoo.BY_NAME[name].kind != zoo.DECODER:
+            if mode in GENERATING and zoo.BY_NAME[name].kind != zoo.DECODER:
                 continue
             t0 = time.perf_counter()
             rows.append(run_family(zoo.BY_NAME[name], mode, args))

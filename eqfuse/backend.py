@@ -275,7 +275,7 @@ MODES = {
     "default": {"autotune": False},
     "max-autotune": {"autotune": True},
     "max-autotune-no-cudagraphs": {"autotune": True, "cuda_graphs": False},
-    "reduce-overhead": {"cuda_graphs": True},  # training graphs recorded too, however long
+    "reduce-overhead": {"autotune": False, "cuda_graphs": True},  # training graphs recorded too, however long
 }
 
 

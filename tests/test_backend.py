@@ -444,7 +444,7 @@ def test_history_titles_each_graph_by_its_kind():
 @pytest.mark.parametrize("mode, expected", [(None, {"autotune": False}), ("default", {"autotune": False}),
                                             ("max-autotune", {"autotune": True}),
                                             ("max-autotune-no-cudagraphs", {"autotune": True, "cuda_graphs": False}),
-                                            ("reduce-overhead", {"cuda_graphs": True})])
+                                            ("reduce-overhead", {"autotune": False, "cuda_graphs": True})])
 def test_torch_compile_modes_become_eqfuse_options(monkeypatch, mode, expected):
     """torch.compile(..., mode=) was ignored; its modes set eqfuse's options now (an option
     given beside wins), and a mode eqfuse does not know is named in an error."""

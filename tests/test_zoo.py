@@ -207,6 +207,36 @@ def test_generation_with_a_static_cache_has_a_decode_step_of_kernels_only():
     assert step.kernels and not step.fallbacks, step.explain()
 
 
+def test_generation_with_a_static_cache_compiled_by_transformers_itself():
+    """The static cache as transformers' docs run it for speed: ``generate`` compiles the
+    decode step itself (``compile_config``: here eqfuse, torch.compile's mode
+    "reduce-overhead"), the prompt in eager. One graph for every decode step, kernels
+    only, no recompilation, every step's logits eager's."""
+    from transformers import CompileConfig
+
+    family = zoo.BY_NAME["llama"]
+    model = zoo.family_model(family, layers=LAYERS, device=DEVICE)
+    prompt = zoo.inputs(family, model, seq=5)["input_ids"]
+    config = CompileConfig(backend="eqfuse")
+    config._compile_all_devices = True  # transformers compiles on accelerators only, unless told
+
+    def generate(compiled: bool):
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False, pad_token_id=model.config.eos_token_id, return_dict_in_generate=True,
+                             output_logits=True, cache_implementation="static", compile_config=config,
+                             disable_compile=not compiled)
+        return out.sequences, torch.stack(out.logits)
+    want_tokens, want_logits = generate(False)
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    got_tokens, got_logits = generate(True)
+    assert torch.equal(got_tokens, want_tokens)
+    _close(got_logits, want_logits, what="llama logits, static cache, transformers' compile")
+    graphs = _compiled_graphs()
+    assert len(graphs) == 1, [type(g).__name__ for g in graphs]
+    assert graphs[0].kernels and not graphs[0].fallbacks, graphs[0].explain()
+
+
 def test_any_model_class_is_built_tiny_from_its_config_class():
     """``zoo.build`` shrinks any class's config by field name: a family is one line."""
     model = zoo.build("Qwen3ForCausalLM")
