@@ -135,7 +135,8 @@ def judge_tokens(out: torch.Tensor, reference: torch.Tensor, scores: tuple) -> d
     logits = scores[step].float()
     row = (out[:, column] != reference[:, column]).nonzero()[0].item()
     finite = logits[row][logits[row].isfinite()]
-    margin = (logits[row, reference[row, column]] - logits[row, out[row, column]]).item() / finite.abs().max().item()
+    chosen, taken = int(reference[row, column]), int(out[row, column])
+    margin = (logits[row, chosen] - logits[row, taken]).item() / finite.abs().max().item()
     return {**found, "first_difference": step, "tie_margin": float(f"{margin:.3g}"), "pass": bool(margin <= TIE)}
 
 

@@ -329,3 +329,63 @@ def test_an_input_returned_as_a_view_is_not_copied_in():
         assert view.data_ptr() == x.data_ptr()
         assert_matches(out, _four_products(x, *ws), contraction=True)
     assert compiled._main.graphs.copied == () and compiled._main.graphs.disabled is None
+
+
+class _FakeCudaGraph:
+    """A stand-in for torch.cuda.CUDAGraph on the CPU: what is launched while it records
+    is launched again by replay(), into the recorded outputs."""
+    recording = None
+
+    def __init__(self):
+        self.launches = []
+
+    def replay(self):
+        for fn, args, out in self.launches:
+            out.copy_(fn(*args))
+
+
+class _fake_capture:
+    def __init__(self, graph):
+        self.graph = graph
+
+    def __enter__(self):
+        _FakeCudaGraph.recording = self.graph
+
+    def __exit__(self, *exc):
+        _FakeCudaGraph.recording = None
+
+
+def _product(cache, w):
+    out = cache @ w
+    if _FakeCudaGraph.recording is not None:
+        _FakeCudaGraph.recording.launches.append((torch.matmul, (cache, w), out))
+    return [out]
+
+
+def test_a_new_set_of_addresses_lets_go_of_the_least_recently_used_one(monkeypatch):
+    """transformers' static cache is new tensors on each generate() call, used for every
+    token of that call and then never again: a replayer that kept its first ADDRESS_SETS
+    sets launched kernel by kernel from the fifth call on. A new set lets go of the least
+    recently used one whose outputs no one holds."""
+    from eqfuse.runtime import graphs
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    replayer = graphs.GraphReplayer(_product)
+    w = torch.randn(4, 4)
+    caches = [torch.randn(4, 4) for _ in range(graphs.ADDRESS_SETS + 2)]
+    held = None
+    for n, cache in enumerate(caches):
+        for _ in range(3):  # the first call launches, the second records, the third replays
+            cache.add_(1.0)
+            (out,) = replayer((cache, w))
+            torch.testing.assert_close(out, cache @ w)
+            if n == 1:
+                held = out  # the caller keeps an output of the second set: it stays
+            del out
+    assert replayer.replays == 2 * len(caches)
+    assert len(replayer._recordings) == graphs.ADDRESS_SETS
+    assert (caches[1].data_ptr(), w.data_ptr()) in replayer._recordings
+    assert (caches[0].data_ptr(), w.data_ptr()) not in replayer._recordings
+    torch.testing.assert_close(held, caches[1] @ w)

@@ -38,7 +38,7 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(depth))
 
     def forward(self, x):
-        bias = torch.arange(x.shape[1], dtype=x.dtype).sub(3.0).abs().neg()  # made once, read by every block
+        bias = torch.arange(x.shape[1], dtype=x.dtype, device=x.device).sub(3.0).abs().neg()  # read by every block
         x = self.inp(x)
         for block in self.blocks:
             x = block(x, bias)
@@ -93,6 +93,26 @@ def test_share_layers_off_compiles_the_graph_whole(extractions):
     assert not isinstance(graph, LayeredGraph) and extractions["n"] == 1
     with torch.no_grad():
         assert_matches(out, model(x), contraction=True)
+
+
+@pytest.mark.gpu
+def test_a_graph_in_parts_replays_as_one_cuda_graph():
+    """Each part's activations come from the allocator, at new addresses on each call, so
+    that no part replayed a recording of its own (a decode step launched kernel by kernel);
+    the parts recorded as one CUDA graph replay, each call's new input copied in, and every
+    call's output is eager's."""
+    torch.manual_seed(0)
+    model = Model(3)
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    fn = torch.compile(model, backend="eqfuse", options={"autotune": False})
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(2, 6, D)
+            assert_matches(fn(x), model(x), contraction=True)
+    (graph,) = eqfuse.backend.history
+    assert isinstance(graph, LayeredGraph), graph.explain()
+    assert graph.graphs is not None and graph.graphs.replays >= 2, graph.graphs
 
 
 def test_a_training_step_through_layers_matches_eager():

@@ -29,6 +29,14 @@ HOST_SHARE = 0.25
 log = logging.getLogger("eqfuse")
 
 
+def too_long_to_record(cost: float, launches: int, limit: float) -> str | None:
+    """Why a graph modelled at ``cost`` us in ``launches`` launches is not worth a CUDA
+    graph (past ``limit``, cuda_graphs_under_us, with the host far from setting the pace), or None."""
+    if cost >= limit and launches * HOST_US_PER_STEP < HOST_SHARE * cost:
+        return f"modelled at {cost:.0f} us, past cuda_graphs_under_us ({limit:.0f}), in {launches} launches"
+    return None
+
+
 @dataclass
 class FallbackInfo:
     node: str
@@ -455,16 +463,13 @@ class _Variant:
         if not (self.options.cuda_graphs and self.device.type == "cuda" and self.kernels):
             return None
         why = unrecordable(self.plan.fallbacks, {b.name: b.dtype for b in self.plan.buffers.values()})
-        cost, limit = self.plan.cost, self.options.cuda_graphs_under_us
-        if cost >= limit and len(self.plan.steps) * HOST_US_PER_STEP < HOST_SHARE * cost:
-            why = (f"modelled at {cost:.0f} us, past cuda_graphs_under_us ({limit:.0f}), "
-                   f"in {len(self.plan.steps)} launches")
+        why = why or too_long_to_record(self.plan.cost, len(self.plan.steps), self.options.cuda_graphs_under_us)
         if why:
             self.report["no_cuda_graphs"] = why
             return None
         # Inputs that move between calls are copied in where that costs little against the
         # graph's modelled time (a copy reads and writes each byte) and its launches
-        copy_bytes = int(COPY_IN_SHARE * cost * device_model().bandwidth_bytes_per_us / 2)
+        copy_bytes = int(COPY_IN_SHARE * self.plan.cost * device_model().bandwidth_bytes_per_us / 2)
         copy_count = len(self.plan.steps) // LAUNCHES_PER_COPY
         module = getattr(self, "module", None)
         deferred = list(deferred_launchers(module).values()) if module is not None else []

@@ -4,8 +4,9 @@ A CUDA graph launches every kernel of a recording with one call, but it bakes in
 addresses it was recorded with: the inputs' and those of every buffer it allocated. So a
 recording serves only calls whose inputs live at the same addresses as when it was made
 (model weights, a static input buffer, a tensor reused in a loop): the first call with a
-set of addresses launches kernel by kernel, the second records. Calls with other
-addresses launch kernel by kernel, as without CUDA graphs.
+set of addresses launches kernel by kernel, the second records. Up to ADDRESS_SETS sets
+are recorded; a new one lets go of the least recently used (a generation's static cache,
+new tensors on each call, is used for the call's every token, then never again).
 
 Except for inputs that move from call to call while the rest stay (a training step's
 upstream gradient, a new batch beside the weights): where copying them costs little
@@ -55,7 +56,7 @@ RECORDABLE_EAGER_OPS = frozenset({
 _CONSTANTS = (type(None), bool, int, float)
 
 RECORDINGS_PER_ADDRESS_SET = 2
-ADDRESS_SETS = 4  # recorded per compiled variant; more addresses launch kernel by kernel
+ADDRESS_SETS = 4  # recorded per compiled variant; a new one lets go of the least recently used
 SEEN_LIMIT = 64  # address sets remembered while waiting for a second sighting
 RECENT_CALLS = 4  # calls compared with the next one for inputs to copy in
 
@@ -145,7 +146,8 @@ class GraphReplayer:
         self.copy_limits = (copy_count, copy_bytes)  # the most inputs, and bytes, a replay may copy in
         self.copied: tuple = ()  # positions of the inputs copied in; settled at the first recording
         self._kept: tuple | None = None  # the other positions, which key the recordings (None: all)
-        self._recordings: dict[tuple, list[_Recording]] = {}
+        self._recordings: dict[tuple, list[_Recording]] = {}  # least recently used first
+        self._last: tuple | None = None  # the key of the last call served from a recording
         self._seen: set[tuple] = set()  # keys of calls not recorded yet
         self._recent: list[tuple] = []  # every input's address, for the last few calls before a recording
         self.disabled: str | None = None  # why this graph does not record, once it failed to
@@ -160,13 +162,17 @@ class GraphReplayer:
                 self.deferred = []
             return self.launch(*inputs)
         ptrs = tuple([x.data_ptr() for x in inputs])
-        recordings = self._recordings.get(self._key(ptrs))
+        key = self._key(ptrs)
+        recordings = self._recordings.get(key)
         if recordings is None:
-            if len(self._recordings) >= ADDRESS_SETS or not self._second_sighting(ptrs, inputs):
+            if not self._second_sighting(ptrs, inputs) or not self._room():
                 log.debug("eqfuse: %s: inputs at new addresses (%d sets recorded): launching kernel by kernel",
                           self.name, len(self._recordings))
                 return self.launch(*inputs)
             recordings = self._recordings[self._key(ptrs)] = []  # keyed anew: copying in may have just been settled
+        elif key != self._last:  # the most recently used set last: the first is the one to let go of
+            self._recordings[key] = self._recordings.pop(key)
+        self._last = key
         for rec in recordings:
             if rec.free():
                 return self._replay(rec, inputs)
@@ -180,6 +186,21 @@ class GraphReplayer:
         log.debug("eqfuse: %s: the caller holds the outputs of every recording: launching kernel by kernel",
                   self.name)
         return self.launch(*inputs)
+
+    def _room(self) -> bool:
+        """Whether a new set of addresses may be recorded: under ADDRESS_SETS, or once the
+        least recently used set whose outputs no one holds is let go of (its graphs' memory
+        with it). A set is often used for a while, then never again: transformers' static
+        cache is new tensors on each ``generate`` call, so that a decode step recorded
+        for the first four calls launched kernel by kernel from the fifth on."""
+        if len(self._recordings) < ADDRESS_SETS:
+            return True
+        for key, recordings in self._recordings.items():
+            if all(rec.free() for rec in recordings):
+                del self._recordings[key]
+                log.debug("eqfuse: %s: letting go of the recordings of addresses not used lately", self.name)
+                return True
+        return False
 
     def _replay(self, rec: _Recording, inputs) -> list:
         for i, buffer in zip(self.copied, rec.copied_inputs):
