@@ -182,6 +182,41 @@ def test_a_cumsum_too_long_for_row_sums_stays_eager_with_its_reason(monkeypatch)
     torch.testing.assert_close(c(x), x.cumsum(-1) * 2)
 
 
+PATCHES = {  # input, weight, stride: windows that tile the input
+    "vit patches": ((2, 3, 32, 32), (8, 3, 16, 16), 16),
+    "patches past the edge": ((2, 3, 33, 35), (8, 3, 16, 16), 16),
+    "1x1": ((2, 4, 9, 9), (5, 4, 1, 1), 1),
+    "1-d": ((2, 4, 10), (6, 4, 2), 2),
+    "3-d": ((1, 2, 4, 6, 8), (3, 2, 2, 2, 2), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(PATCHES))
+def test_a_convolution_whose_windows_tile_the_input_is_a_product(name):
+    """stride = kernel size, no padding (a vision transformer's patch embedding): a matrix
+    product over a view of the input's patches (frontend/capture.py), no eager step; the
+    output as eager's, contiguous as eager's, special values carried as eager's."""
+    shape, weight_shape, stride = PATCHES[name]
+    conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[len(shape)]
+    fn = lambda x, w, b: conv(x, w, b, stride=stride)  # noqa: E731
+    torch.manual_seed(0)
+    x, w, b = torch.randn(shape), torch.randn(weight_shape), torch.randn(weight_shape[0])
+    x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 3e38])
+    c = eqfuse.compile(fn, (x, w, b))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x, w, b), fn(x, w, b)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-4, atol=1e-4)
+
+
+def test_other_convolutions_stay_eager_with_their_reason():
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    for fn in (lambda x, w: F.conv2d(x, w), lambda x, w: F.conv2d(x, w, stride=3, padding=1)):
+        c = eqfuse.compile(fn, (x, w))
+        assert [f.op for f in c.fallbacks] == ["convolution"], c.explain()
+        torch.testing.assert_close(c(x, w), fn(x, w))
+
+
 @pytest.mark.parametrize("fn", [torch.atan2, torch.hypot], ids=["atan2", "hypot"])
 def test_atan2_and_hypot_on_every_pair_of_special_values(fn):
     """Every pair of NaN, infinities, signed zeros, denormals, the largest floats and

@@ -27,7 +27,7 @@ EAGER_OPS = {
     "gpt_neox": set(), "opt": set(),
     "mixtral": {"empty_permuted", "grouped_mm_fallback", "histc", "index_put", "sort", "topk"},
     "bert": set(), "roberta": set(), "t5": set(), "bart": set(),
-    "vit": {"convolution"},
+    "vit": set(),
 }
 # Training graphs: the backward's ops too (an embedding's backward, ...)
 TRAIN_EAGER_OPS = {

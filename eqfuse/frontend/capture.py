@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -63,6 +64,7 @@ def _make_decomposition_table() -> dict:
     # training step's three embedding backwards took 1953 us on an H200, Inductor's 62)
     table.pop(aten.embedding_dense_backward.default, None)
     table[aten.cumsum.default] = _cumsum_as_row_sums
+    table[aten.convolution.default] = _patches_as_product
     return {op: fn for op, fn in table.items() if "scaled_dot_product" not in str(op)}
 
 
@@ -86,6 +88,34 @@ def _cumsum_as_row_sums(x, dim, dtype=None):
     rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(upto, rows, zero).sum(-1, dtype=x.dtype).movedim(-1, dim)  # int32 stays int32
+
+
+def _patches_as_product(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A convolution whose windows tile the input (stride = kernel size, no padding, no
+    dilation, one group: a vision transformer's patch embedding, a 1x1 convolution) as the
+    matrix product it is: the patches, a view of the input laid out as rows of C x k x k,
+    times the weight's rows. The product reads the patches through that view (no copy
+    where the kernel can index it); the output comes back as the convolution's shape, in
+    channels-last memory, which the patch embedding's ``flatten(2).transpose(1, 2)``
+    makes contiguous rows again. Other convolutions stay ATen's (cuDNN)."""
+    kernel = list(weight.shape[2:])
+    spatial = list(x.shape[2:])
+    if (transposed or groups != 1 or any(padding) or any(d != 1 for d in dilation) or list(stride) != kernel
+            or not kernel or len(spatial) != len(kernel) or any(s < k for s, k in zip(spatial, kernel))):
+        return NotImplemented
+    dims = len(kernel)
+    out = [s // k for s, k in zip(spatial, kernel)]
+    for d, (o, k) in enumerate(zip(out, kernel)):  # the rows and columns past the last window are not read
+        x = x.narrow(2 + d, 0, o * k)
+    batch, channels, outputs = x.shape[0], x.shape[1], weight.shape[0]
+    tiled = x.reshape([batch, channels] + [n for o, k in zip(out, kernel) for n in (o, k)])
+    # [batch, o1, o2, .., channels, k1, k2, ..]: one patch per row, in the weight's order
+    order = [0] + [2 + 2 * d for d in range(dims)] + [1] + [3 + 2 * d for d in range(dims)]
+    rows = tiled.permute(order).reshape(batch * math.prod(out), channels * math.prod(kernel))
+    y = rows @ weight.reshape(outputs, -1).t()
+    if bias is not None:
+        y = y + bias
+    return y.reshape([batch] + out + [outputs]).permute([0, dims + 1] + list(range(1, dims + 1)))
 
 
 class PlainAttention(torch.overrides.TorchFunctionMode):
