@@ -217,6 +217,33 @@ def test_other_convolutions_stay_eager_with_their_reason():
         torch.testing.assert_close(c(x, w), fn(x, w))
 
 
+FLIPS = {
+    "last dim": (lambda x: x.flip(-1), torch.float32),
+    "two dims": (lambda x: x.flip(0, 2) * 2, torch.float32),
+    "beside itself": (lambda x: torch.flip(x, (1,)) + x, torch.float16),
+    "of a slice": (lambda x: x[:, 1:].flip(1), torch.float32),
+    "ints": (lambda x: x.flip(1) * 3, torch.int32),
+    "bools": (lambda x: x.flip(2) & x, torch.bool),
+}
+
+
+@pytest.mark.parametrize("name", list(FLIPS))
+def test_flip_reads_backwards_in_a_kernel(name):
+    """``flip`` as each dim read backwards (frontend/capture.py): kernels, no eager step;
+    every value, NaN, infinity and signed zero where eager puts it."""
+    fn, dtype = FLIPS[name]
+    x = (torch.randn(3, 4, 5) * 4).to(dtype)
+    if dtype.is_floating_point:
+        x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")])
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), fn(x)
+    assert got.dtype == want.dtype and got.stride() == want.stride()
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    if dtype.is_floating_point:
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 @pytest.mark.parametrize("fn", [torch.atan2, torch.hypot], ids=["atan2", "hypot"])
 def test_atan2_and_hypot_on_every_pair_of_special_values(fn):
     """Every pair of NaN, infinities, signed zeros, denormals, the largest floats and

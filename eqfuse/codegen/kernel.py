@@ -666,7 +666,7 @@ class KernelWriter:
         # an index outside the table reads row 0 (a valid address), then NaN (0) in its place
         safe = self.assign(f"tl.where({inside.expr}, {i.expr}, 0)", i.axes)
         v = self.emit(x, gathered_env(env, dim, Idx(safe.expr, safe.axes), x.shape))
-        missing = "float('nan')" if ops.is_float(node.dtype) else "0"
+        missing = "float('nan')" if ops.is_float(node.dtype) else literal(0, node.dtype)  # False for a bool
         return self.assign(f"tl.where({inside.expr}, {v.expr}, {missing})", v.axes | inside.axes)
 
     def _emit_dot(self, node, env):

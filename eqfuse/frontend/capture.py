@@ -65,6 +65,7 @@ def _make_decomposition_table() -> dict:
     table.pop(aten.embedding_dense_backward.default, None)
     table[aten.cumsum.default] = _cumsum_as_row_sums
     table[aten.convolution.default] = _patches_as_product
+    table[aten.flip.default] = _flip_as_reads
     return {op: fn for op, fn in table.items() if "scaled_dot_product" not in str(op)}
 
 
@@ -88,6 +89,15 @@ def _cumsum_as_row_sums(x, dim, dtype=None):
     rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(upto, rows, zero).sum(-1, dtype=x.dtype).movedim(-1, dim)  # int32 stays int32
+
+
+def _flip_as_reads(x, dims):
+    """``flip``: each flipped dim read backwards (index_select of a descending arange,
+    an indexed read that the kernel computes the index of as it goes)."""
+    for d in dims:
+        n = x.shape[d]
+        x = x.index_select(d, torch.arange(n - 1, -1, -1, device=x.device))
+    return x
 
 
 def _patches_as_product(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
