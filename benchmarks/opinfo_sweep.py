@@ -10,10 +10,11 @@ where it is not contiguous and eager's is, where it shares memory with an input 
 eager's does not, or where the call changed an input; a compile or call that raises is an
 error, unless it is eqfuse's own clear refusal (``refused``: a function it cannot trace,
 such as one whose output depends on its data). Each sample is otherwise ``kernels``
-(eqfuse generated at least one kernel) or ``eager`` (the graph runs in eager, with its
-reason). Ops whose eager result differs between two calls (random ops), or holds
+(eqfuse generated at least one kernel), ``no work`` (nothing to compute: the compiled
+graph returns views of its inputs, or tensors with no elements) or ``eager`` (the graph
+runs in eager, with its reason). Ops whose eager result differs between two calls (random ops), or holds
 uninitialised memory, are compared on dtype and shape only. The coverage is the
-share of ops with a sample compiled to kernels. ``tests/test_opinfo.py`` runs a seeded
+share of ops with a sample compiled (kernels or no work, no eager step). ``tests/test_opinfo.py`` runs a seeded
 share of this in the suite.
 """
 
@@ -137,7 +138,9 @@ def run_sample(call, tensors, uninitialised: bool = False) -> dict:
     if compiled.kernels:
         return {"outcome": "kernels", "kernels": len(compiled.kernels),
                 "eager_steps": [f.node for f in compiled.fallbacks]}
-    return {"outcome": "eager", "why": compiled.fallbacks[0].reason if compiled.fallbacks else "no kernel"}
+    if not compiled.fallbacks:
+        return {"outcome": "no work"}  # views of its inputs, or tensors with no elements
+    return {"outcome": "eager", "why": compiled.fallbacks[0].reason}
 
 
 def sweep(ops, dtypes, count: int, log=print) -> list[dict]:
@@ -169,8 +172,10 @@ def summary(rows) -> dict:
         by_op.setdefault((r["op"], r["variant"]), []).append(r["outcome"])
     ops = len(by_op)
     kernels = sum("kernels" in v for v in by_op.values())
+    compiled = sum("kernels" in v or "no work" in v for v in by_op.values())
     return {"ops": ops, "samples": len(rows), "outcomes": dict(Counter(r["outcome"] for r in rows)),
-            "ops_with_kernels": kernels, "coverage": round(kernels / ops, 3) if ops else None}
+            "ops_with_kernels": kernels, "ops_compiled": compiled,
+            "coverage": round(compiled / ops, 3) if ops else None}
 
 
 def main(argv=None):

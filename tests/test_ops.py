@@ -244,6 +244,47 @@ def test_flip_reads_backwards_in_a_kernel(name):
         assert torch.equal(torch.signbit(got), torch.signbit(want))
 
 
+POSITIONS = {
+    "argmax": lambda x: x.argmax(-1),
+    "argmin keepdim": lambda x: x.argmin(1, keepdim=True),
+    "argmax of all": lambda x: x.argmax(),
+    "argmax dim 0": lambda x: x.argmax(0),
+    "max with index": lambda x: torch.max(x, 1),
+    "min with index keepdim": lambda x: torch.min(x, 0, keepdim=True),
+    "max of all": lambda x: x.max(),
+    "min of all": lambda x: x.min() + 1,
+}
+
+
+def _rows_of_special_values():
+    x = torch.randn(5, 7)
+    x[0, 3] = x[0, 5] = float("nan")  # the first NaN is the extreme
+    x[1] = 1.0  # ties: the first
+    x[2] = -x[2].abs()
+    x[2, 2], x[2, 4] = -0.0, 0.0  # equal: the first
+    x[3, 1], x[3, 6] = float("inf"), -float("inf")
+    x[4, :2] = torch.tensor([3e38, -3e38])
+    return x
+
+
+@pytest.mark.parametrize("name", list(POSITIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
+def test_argmax_argmin_and_max_with_its_index_are_kernels(name, dtype):
+    """argmax/argmin, max/min with their indices and of all elements, as reductions
+    (frontend/capture.py): kernels, no eager step; the index of the first extreme, NaN the
+    extreme where a row has one, as eager's."""
+    fn = POSITIONS[name]
+    x = _rows_of_special_values()
+    x = (x * 10).nan_to_num().to(dtype) if not dtype.is_floating_point else x.to(dtype)
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), fn(x)
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fn", [torch.atan2, torch.hypot], ids=["atan2", "hypot"])
 def test_atan2_and_hypot_on_every_pair_of_special_values(fn):
     """Every pair of NaN, infinities, signed zeros, denormals, the largest floats and

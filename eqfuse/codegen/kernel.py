@@ -160,6 +160,14 @@ MAX_GRID_Y = 65535
 RUNTIME_SIZES = {"pointwise": ("xnumel", "X"), "reduction": ("R",), "matmul": ("M", "N"), "attention": ("M", "N")}
 
 
+def _as_reduced(v: Val, dtype: str) -> Val:
+    """An integer value reduced in its term's dtype: an index (a program's arange, int32
+    in Triton) reduced as an int64 meets int64's neutral element (argmin's first position)."""
+    if not ops.is_int(dtype):
+        return v
+    return replace(v, expr=f"({v.expr}).to({ops.TRITON_DTYPES[dtype]})")
+
+
 def _row_reduction(fn: str, tile: str, nan_aware: bool) -> str:
     """``fn`` over the rows of ``tile``. Triton's max and min skip NaN (max.f32 on a GPU,
     fmax in the interpreter); torch's amax and amin return it: ``nan_aware`` puts it back
@@ -887,7 +895,7 @@ class KernelWriter:
         cm = self.mask(frozenset("c"))
         nan_aware = op in ("max", "min") and ops.is_float(node.dtype)
         if self.s.persistent:
-            v = self.emit(node.args[0], full)
+            v = _as_reduced(self.emit(node.args[0], full), node.dtype)
             masked = f"tl.where({cm}, {v.expr}, {neutral})" if cm else v.expr
             if "c" not in v.axes:  # constant along the row: broadcast before reducing
                 masked = f"tl.where(tl.full([1, BLOCK_C], 1, tl.int1), {v.expr}, {neutral})" if not cm else masked
@@ -908,7 +916,7 @@ class KernelWriter:
         acc = self.fresh("acc")
         self.lines.append(f"{acc} = tl.full([BLOCK_R, BLOCK_C], {neutral}, {acc_dt})")
         self.open_loop()
-        v = self.emit(node.args[0], full)
+        v = _as_reduced(self.emit(node.args[0], full), node.dtype)
         masked = f"tl.where({cm}, {v.expr}, {neutral})" if cm else v.expr
         nan = ", propagate_nan=tl.PropagateNan.ALL" if nan_aware else ""
         combine = {"sum": f"{acc} + {masked}", "max": f"tl.maximum({acc}, {masked}{nan})",

@@ -66,6 +66,8 @@ def _make_decomposition_table() -> dict:
     table[aten.cumsum.default] = _cumsum_as_row_sums
     table[aten.convolution.default] = _patches_as_product
     table[aten.flip.default] = _flip_as_reads
+    table.update({aten.argmax.default: _argmax, aten.argmin.default: _argmin, aten.max.dim: _max_with_index,
+                  aten.min.dim: _min_with_index, aten.max.default: _max_of_all, aten.min.default: _min_of_all})
     return {op: fn for op, fn in table.items() if "scaled_dot_product" not in str(op)}
 
 
@@ -98,6 +100,54 @@ def _flip_as_reads(x, dims):
         n = x.shape[d]
         x = x.index_select(d, torch.arange(n - 1, -1, -1, device=x.device))
     return x
+
+
+def _position_of(x, dim: int | None, keepdim: bool, largest: bool):
+    """``argmax`` (``largest``) or ``argmin`` as two reductions a kernel fuses: the row's
+    extreme (NaN where the row has one, as torch's), then the first position holding it
+    (a NaN's where it is NaN; -0.0 and 0.0 alike, as torch compares them)."""
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    if x.dim() == 0:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    dim = dim % x.dim()
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    extreme = x.amax(dim, keepdim=True) if largest else x.amin(dim, keepdim=True)
+    hit = x == extreme
+    if x.is_floating_point():
+        hit = hit | (extreme.isnan() & x.isnan())
+    n = x.shape[dim]
+    position = torch.arange(n, device=x.device).reshape([n] + [1] * (x.dim() - 1 - dim))
+    return torch.where(hit, position, n).amin(dim, keepdim=keepdim)
+
+
+def _argmax(x, dim=None, keepdim=False):
+    if x.dtype == torch.bool:
+        return NotImplemented  # eager refuses bools: so does the graph, in its eager step
+    return _position_of(x, dim, keepdim, largest=True)
+
+
+def _argmin(x, dim=None, keepdim=False):
+    if x.dtype == torch.bool:
+        return NotImplemented
+    return _position_of(x, dim, keepdim, largest=False)
+
+
+def _max_with_index(x, dim, keepdim=False):
+    return x.amax(dim, keepdim=keepdim), _position_of(x, dim, keepdim, largest=True)
+
+
+def _min_with_index(x, dim, keepdim=False):
+    return x.amin(dim, keepdim=keepdim), _position_of(x, dim, keepdim, largest=False)
+
+
+def _max_of_all(x):
+    return x.amax() if x.numel() else NotImplemented  # (eager's error for no elements)
+
+
+def _min_of_all(x):
+    return x.amin() if x.numel() else NotImplemented
 
 
 def _patches_as_product(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
