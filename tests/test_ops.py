@@ -173,6 +173,41 @@ def test_cumsum_as_row_sums(name):
     torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-3 if x.dtype == torch.half else 1e-6, atol=1e-6)
 
 
+PRODUCTS = {
+    "prod of rows": lambda x: x.prod(-1),
+    "prod of all": lambda x: x.prod(),
+    "prod keepdim": lambda x: x.prod(0, keepdim=True) * 2,
+    "prod in half": lambda x: torch.prod(x.half(), 1),
+    "prod in float64": lambda x: x.prod(1, dtype=torch.float64),
+    "cumprod": lambda x: x.cumprod(-1),
+    "cumprod dim 0": lambda x: x.cumprod(0) * 2,
+    "cumprod in half": lambda x: torch.cumprod(x.half(), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(PRODUCTS))
+def test_products_of_rows_are_reductions(name):
+    """prod, and cumprod as the products over the triangle of each row (as cumsum's row
+    sums): kernels, no eager step; NaN, infinities, zeros and their signs as eager's."""
+    fn = PRODUCTS[name]
+    x = torch.rand(4, 9) + 0.5
+    x[0, 2], x[1, 3], x[1, 4], x[2, 0], x[3, 5] = float("nan"), float("inf"), 0.0, -0.0, -1e-30
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), fn(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-3 if got.dtype == torch.half else 1e-5, atol=0)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+def test_products_of_integers_stay_eager_with_their_reason():
+    x = torch.arange(1, 13).reshape(3, 4)
+    for fn, op in ((lambda x: x.prod(1), "prod"), (lambda x: x.cumprod(1), "cumprod")):
+        c = eqfuse.compile(fn, (x,))
+        assert [f.op for f in c.fallbacks] == [op] and c.fallbacks[0].reason, c.explain()
+        assert torch.equal(c(x), fn(x))
+
+
 def test_a_cumsum_too_long_for_row_sums_stays_eager_with_its_reason(monkeypatch):
     from eqfuse.frontend import capture
     monkeypatch.setattr(capture, "CUMSUM_WORK", 100)

@@ -17,7 +17,7 @@ UNARY = [lambda x: torch.exp(-x.abs()), torch.relu, torch.tanh, torch.sigmoid, t
          lambda x: torch.expm1(-x.abs())]
 BINARY = [torch.add, torch.mul, torch.sub, torch.maximum, torch.minimum, lambda a, b: a / (b.abs() + 1.0),
           torch.atan2]
-REDUCE = [torch.sum, torch.amax, torch.mean]
+REDUCE = [torch.sum, torch.amax, torch.mean, torch.amin, torch.prod]
 STEPS = ["unary"] * 4 + ["binary"] * 4 + ["reduce"] * 2 + ["transpose", "softmax", "matmul", "cast", "view",
                                                              "index"]
 

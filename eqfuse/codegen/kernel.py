@@ -160,6 +160,19 @@ MAX_GRID_Y = 65535
 RUNTIME_SIZES = {"pointwise": ("xnumel", "X"), "reduction": ("R",), "matmul": ("M", "N"), "attention": ("M", "N")}
 
 
+# A row's product: Triton has no tl.prod; the module defines it (codegen/module.assemble)
+PRODUCT = "_row_product"
+PRODUCT_SOURCE = f'''@triton.jit
+def _multiply(a, b):
+    return a * b
+
+
+@triton.jit
+def {PRODUCT}(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _multiply)
+'''
+
+
 def _as_reduced(v: Val, dtype: str) -> Val:
     """An integer value reduced in its term's dtype: an index (a program's arange, int32
     in Triton) reduced as an int64 meets int64's neutral element (argmin's first position)."""
@@ -890,7 +903,7 @@ class KernelWriter:
             return self.emit(node, row)
         op = node.attrs[0]
         neutral = literal(ops.reduce_identity(op, node.dtype), node.dtype)
-        fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
+        fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min", "prod": PRODUCT}[op]
         acc_dt = compute_dtype(node.dtype)
         cm = self.mask(frozenset("c"))
         nan_aware = op in ("max", "min") and ops.is_float(node.dtype)
@@ -920,7 +933,7 @@ class KernelWriter:
         masked = f"tl.where({cm}, {v.expr}, {neutral})" if cm else v.expr
         nan = ", propagate_nan=tl.PropagateNan.ALL" if nan_aware else ""
         combine = {"sum": f"{acc} + {masked}", "max": f"tl.maximum({acc}, {masked}{nan})",
-                   "min": f"tl.minimum({acc}, {masked}{nan})"}[op]
+                   "min": f"tl.minimum({acc}, {masked}{nan})", "prod": f"{acc} * {masked}"}[op]
         self.loop.append(f"{acc} = {combine}")
         self.close_loop()
         return self.assign(_row_reduction(fn, acc, nan_aware), frozenset("r"), "red")

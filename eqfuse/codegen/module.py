@@ -156,6 +156,8 @@ def assemble(title: str, version: str, infos: list, launcher_line, args: list, b
     class ``launcher``), then ``call`` and ``call_boxed`` running ``body`` and returning
     ``rets``."""
     parts = [HEADER.format(version=version, title=title, launcher=launcher)]
+    if any(kgen.PRODUCT in info.source for info in infos):
+        parts += [kgen.PRODUCT_SOURCE, ""]
     for info in infos:
         for k in ((info.fallback, info) if info.fallback is not None else (info,)):
             parts.append(k.source)

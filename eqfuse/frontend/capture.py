@@ -64,6 +64,7 @@ def _make_decomposition_table() -> dict:
     # training step's three embedding backwards took 1953 us on an H200, Inductor's 62)
     table.pop(aten.embedding_dense_backward.default, None)
     table[aten.cumsum.default] = _cumsum_as_row_sums
+    table[aten.cumprod.default] = _cumprod_as_row_products
     table[aten.convolution.default] = _patches_as_product
     table[aten.flip.default] = _flip_as_reads
     table.update({aten.argmax.default: _argmax, aten.argmin.default: _argmin, aten.max.dim: _max_with_index,
@@ -176,6 +177,20 @@ def _patches_as_product(x, weight, bias, stride, padding, dilation, transposed, 
     if bias is not None:
         y = y + bias
     return y.reshape([batch] + out + [outputs]).permute([0, dims + 1] + list(range(1, dims + 1)))
+
+
+def _cumprod_as_row_products(x, dim, dtype=None):
+    """``cumprod`` as ``cumsum`` is: each element the product over the triangle of its row
+    up to it (floats only: integer products stay exact in ATen's scan)."""
+    n = x.shape[dim] if x.dim() else 1
+    x = x.to(dtype) if dtype is not None else x
+    if x.dim() == 0 or not x.is_floating_point() or x.numel() * n > CUMSUM_WORK:
+        return NotImplemented
+    index = torch.arange(n, device=x.device)
+    upto = index[None, :] <= index[:, None]  # [i, j]: j <= i
+    rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
+    one = torch.ones((), dtype=x.dtype, device=x.device)
+    return torch.where(upto, rows, one).prod(-1).movedim(-1, dim)
 
 
 class PlainAttention(torch.overrides.TorchFunctionMode):

@@ -906,6 +906,15 @@ def _amax(tr, node, x, dims=None, keepdim=False):
     return _reduce(tr, x, dims, keepdim, op, dt, shape)[0]
 
 
+@handles(aten.prod)
+def _prod(tr, node, x, dim=None, keepdim=False, dtype=None):
+    shape, dt = _out(node)
+    if not ops.is_float(dt):
+        raise Unsupported("prod of integers (a float32 product of partial rows would round them)")
+    dims, keepdim = _reduce_args(node, x, dim, keepdim)
+    return _reduce(tr, x, dims, keepdim, "prod", dt, shape)[0]
+
+
 @handles(aten.any, aten.all)
 def _any_all(tr, node, x, dims=None, keepdim=False):
     """any: the count of nonzero elements is nonzero; all: the count of zeros is zero.

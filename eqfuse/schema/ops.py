@@ -225,6 +225,7 @@ REDUCE: dict[str, tuple[Callable, float]] = {
     "sum": (lambda x: x.sum(-1, keepdim=True), 0.0),
     "max": (lambda x: x.amax(-1, keepdim=True), float("-inf")),
     "min": (lambda x: x.amin(-1, keepdim=True), float("inf")),
+    "prod": (lambda x: x.prod(-1, keepdim=True), 1.0),
 }
 
 # dtype names used in terms, and the torch / Triton types they stand for.
