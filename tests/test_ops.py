@@ -159,7 +159,7 @@ CUMSUMS = {
 
 @pytest.mark.parametrize("name", list(CUMSUMS))
 def test_cumsum_as_row_sums(name):
-    """A cumulative sum as the row sums of a triangle of the row (frontend/capture.py):
+    """A cumulative sum as the row sums of a triangle of the row (frontend/decompose.py):
     kernels, no eager step; its dtype as torch's (int64 for integers and bools, a dtype
     asked for kept), NaN and infinities carried on as eager carries them."""
     fn, make = CUMSUMS[name]
@@ -209,8 +209,8 @@ def test_products_of_integers_stay_eager_with_their_reason():
 
 
 def test_a_cumsum_too_long_for_row_sums_stays_eager_with_its_reason(monkeypatch):
-    from eqfuse.frontend import capture
-    monkeypatch.setattr(capture, "CUMSUM_WORK", 100)
+    from eqfuse.frontend import decompose
+    monkeypatch.setattr(decompose, "CUMSUM_WORK", 100)
     x = torch.randn(4, 33)
     c = eqfuse.compile(lambda x: x.cumsum(-1) * 2, (x,))
     assert any("cumsum" in f.reason for f in c.fallbacks), c.explain()
@@ -229,7 +229,7 @@ PATCHES = {  # input, weight, stride: windows that tile the input
 @pytest.mark.parametrize("name", list(PATCHES))
 def test_a_convolution_whose_windows_tile_the_input_is_a_product(name):
     """stride = kernel size, no padding (a vision transformer's patch embedding): a matrix
-    product over a view of the input's patches (frontend/capture.py), no eager step; the
+    product over a view of the input's patches (frontend/decompose.py), no eager step; the
     output as eager's, contiguous as eager's, special values carried as eager's."""
     shape, weight_shape, stride = PATCHES[name]
     conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[len(shape)]
@@ -264,7 +264,7 @@ FLIPS = {
 
 @pytest.mark.parametrize("name", list(FLIPS))
 def test_flip_reads_backwards_in_a_kernel(name):
-    """``flip`` as each dim read backwards (frontend/capture.py): kernels, no eager step;
+    """``flip`` as each dim read backwards (frontend/decompose.py): kernels, no eager step;
     every value, NaN, infinity and signed zero where eager puts it."""
     fn, dtype = FLIPS[name]
     x = (torch.randn(3, 4, 5) * 4).to(dtype)
@@ -306,7 +306,7 @@ def _rows_of_special_values():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
 def test_argmax_argmin_and_max_with_its_index_are_kernels(name, dtype):
     """argmax/argmin, max/min with their indices and of all elements, as reductions
-    (frontend/capture.py): kernels, no eager step; the index of the first extreme, NaN the
+    (frontend/decompose.py): kernels, no eager step; the index of the first extreme, NaN the
     extreme where a row has one, as eager's."""
     fn = POSITIONS[name]
     x = _rows_of_special_values()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..errors import CaptureError
+from . import decompose
 
 
 def decomposition_table() -> dict:
@@ -63,134 +63,8 @@ def _make_decomposition_table() -> dict:
     # whose CUDA kernel serialises the rows sharing an index (BERT's two token types: a
     # training step's three embedding backwards took 1953 us on an H200, Inductor's 62)
     table.pop(aten.embedding_dense_backward.default, None)
-    table[aten.cumsum.default] = _cumsum_as_row_sums
-    table[aten.cumprod.default] = _cumprod_as_row_products
-    table[aten.convolution.default] = _patches_as_product
-    table[aten.flip.default] = _flip_as_reads
-    table.update({aten.argmax.default: _argmax, aten.argmin.default: _argmin, aten.max.dim: _max_with_index,
-                  aten.min.dim: _min_with_index, aten.max.default: _max_of_all, aten.min.default: _min_of_all})
+    table.update(decompose.ADDED)  # and eqfuse's own (frontend/decompose.py)
     return {op: fn for op, fn in table.items() if "scaled_dot_product" not in str(op)}
-
-
-# Prefix sums as row sums: element i of a cumulative sum is the sum over j of x[j] where j
-# <= i, a reduction over a triangle of the row that a kernel reads in place (no n x n
-# tensor is stored). Its work is n times the input's, so only inputs whose elements times
-# the summed length stay below this take it (RoBERTa's and OPT's position ids, 8 x 512 or 4
-# x 1024 tokens; a mixture of experts' counts), the others run ATen's scan in eager.
-CUMSUM_WORK = 1 << 24
-
-
-def _cumsum_as_row_sums(x, dim, dtype=None):
-    n = x.shape[dim] if x.dim() else 1
-    if x.dim() == 0 or x.numel() * n > CUMSUM_WORK:
-        return NotImplemented
-    if dtype is None and not (x.is_floating_point() or x.is_complex()):
-        dtype = torch.int64  # as torch: integers and bools sum in int64
-    x = x.to(dtype) if dtype is not None else x
-    index = torch.arange(n, device=x.device)
-    upto = index[None, :] <= index[:, None]  # [i, j]: j <= i
-    rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    return torch.where(upto, rows, zero).sum(-1, dtype=x.dtype).movedim(-1, dim)  # int32 stays int32
-
-
-def _flip_as_reads(x, dims):
-    """``flip``: each flipped dim read backwards (index_select of a descending arange,
-    an indexed read that the kernel computes the index of as it goes)."""
-    for d in dims:
-        n = x.shape[d]
-        x = x.index_select(d, torch.arange(n - 1, -1, -1, device=x.device))
-    return x
-
-
-def _position_of(x, dim: int | None, keepdim: bool, largest: bool):
-    """``argmax`` (``largest``) or ``argmin`` as two reductions a kernel fuses: the row's
-    extreme (NaN where the row has one, as torch's), then the first position holding it
-    (a NaN's where it is NaN; -0.0 and 0.0 alike, as torch compares them)."""
-    if dim is None:
-        x, dim = x.reshape(-1), 0
-    if x.dim() == 0:
-        return torch.zeros((), dtype=torch.int64, device=x.device)
-    dim = dim % x.dim()
-    if x.dtype == torch.bool:
-        x = x.to(torch.uint8)
-    extreme = x.amax(dim, keepdim=True) if largest else x.amin(dim, keepdim=True)
-    hit = x == extreme
-    if x.is_floating_point():
-        hit = hit | (extreme.isnan() & x.isnan())
-    n = x.shape[dim]
-    position = torch.arange(n, device=x.device).reshape([n] + [1] * (x.dim() - 1 - dim))
-    return torch.where(hit, position, n).amin(dim, keepdim=keepdim)
-
-
-def _argmax(x, dim=None, keepdim=False):
-    if x.dtype == torch.bool:
-        return NotImplemented  # eager refuses bools: so does the graph, in its eager step
-    return _position_of(x, dim, keepdim, largest=True)
-
-
-def _argmin(x, dim=None, keepdim=False):
-    if x.dtype == torch.bool:
-        return NotImplemented
-    return _position_of(x, dim, keepdim, largest=False)
-
-
-def _max_with_index(x, dim, keepdim=False):
-    return x.amax(dim, keepdim=keepdim), _position_of(x, dim, keepdim, largest=True)
-
-
-def _min_with_index(x, dim, keepdim=False):
-    return x.amin(dim, keepdim=keepdim), _position_of(x, dim, keepdim, largest=False)
-
-
-def _max_of_all(x):
-    return x.amax() if x.numel() else NotImplemented  # (eager's error for no elements)
-
-
-def _min_of_all(x):
-    return x.amin() if x.numel() else NotImplemented
-
-
-def _patches_as_product(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    """A convolution whose windows tile the input (stride = kernel size, no padding, no
-    dilation, one group: a vision transformer's patch embedding, a 1x1 convolution) as the
-    matrix product it is: the patches, a view of the input laid out as rows of C x k x k,
-    times the weight's rows. The product reads the patches through that view (no copy
-    where the kernel can index it); the output comes back as the convolution's shape, in
-    channels-last memory, which the patch embedding's ``flatten(2).transpose(1, 2)``
-    makes contiguous rows again. Other convolutions stay ATen's (cuDNN)."""
-    kernel = list(weight.shape[2:])
-    spatial = list(x.shape[2:])
-    if (transposed or groups != 1 or any(padding) or any(d != 1 for d in dilation) or list(stride) != kernel
-            or not kernel or len(spatial) != len(kernel) or any(s < k for s, k in zip(spatial, kernel))):
-        return NotImplemented
-    dims = len(kernel)
-    out = [s // k for s, k in zip(spatial, kernel)]
-    for d, (o, k) in enumerate(zip(out, kernel)):  # the rows and columns past the last window are not read
-        x = x.narrow(2 + d, 0, o * k)
-    batch, channels, outputs = x.shape[0], x.shape[1], weight.shape[0]
-    tiled = x.reshape([batch, channels] + [n for o, k in zip(out, kernel) for n in (o, k)])
-    # [batch, o1, o2, .., channels, k1, k2, ..]: one patch per row, in the weight's order
-    order = [0] + [2 + 2 * d for d in range(dims)] + [1] + [3 + 2 * d for d in range(dims)]
-    rows = tiled.permute(order).reshape(batch * math.prod(out), channels * math.prod(kernel))
-    y = rows @ weight.reshape(outputs, -1).t()
-    if bias is not None:
-        y = y + bias
-    return y.reshape([batch] + out + [outputs]).permute([0, dims + 1] + list(range(1, dims + 1)))
-
-
-def _cumprod_as_row_products(x, dim, dtype=None):
-    """``cumprod`` as ``cumsum`` is: each element the product over the triangle of its row
-    up to it (floats only: integer products stay exact in ATen's scan)."""
-    n = x.shape[dim] if x.dim() else 1
-    x = x.to(dtype) if dtype is not None else x
-    if x.dim() == 0 or not x.is_floating_point() or x.numel() * n > CUMSUM_WORK:
-        return NotImplemented
-    index = torch.arange(n, device=x.device)
-    upto = index[None, :] <= index[:, None]  # [i, j]: j <= i
-    rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
-    one = torch.ones((), dtype=x.dtype, device=x.device)
-    return torch.where(upto, rows, one).prod(-1).movedim(-1, dim)
 
 
 class PlainAttention(torch.overrides.TorchFunctionMode):
