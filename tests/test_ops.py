@@ -320,6 +320,46 @@ def test_argmax_argmin_and_max_with_its_index_are_kernels(name, dtype):
         torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)
 
 
+POOLS = {
+    "avg tiles": lambda x: F.avg_pool2d(x, 2, ceil_mode=False),
+    "avg overlapping, padded": lambda x: F.avg_pool2d(x, 3, 2, 1),
+    "avg padding not counted": lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
+    "avg divisor": lambda x: F.avg_pool2d(x, (2, 3), (1, 2), divisor_override=4),
+    "avg 1-d": lambda x: F.avg_pool1d(x.flatten(2), 4, 3, 2),
+    "avg 3-d": lambda x: F.avg_pool3d(x[..., :8].unsqueeze(0), 2),
+    "adaptive avg": lambda x: F.adaptive_avg_pool2d(x[..., :8], (3, 4)),
+    "adaptive avg to one": lambda x: F.adaptive_avg_pool2d(x, 1),
+    "max tiles": lambda x: F.max_pool2d(x, 2),
+    "max with indices": lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True),
+    "max with indices, uneven": lambda x: F.max_pool2d(x, (2, 3), (1, 2), return_indices=True),
+}
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+def test_pooling_over_windows_is_a_kernel(name):
+    """Pooling (frontend/decompose.py): a reduction over each tile where the windows tile
+    the input, else the windows' strided views combined; one kernel, no eager step; NaN,
+    infinities and ties as eager's, max pooling's indices the first largest's in its plane."""
+    x = torch.randn(2, 3, 9, 10)
+    x[0, 0, 1, 1], x[0, 1, 2, 2], x[1, 0, 3, :] = float("nan"), float("inf"), 5.0
+    fn = POOLS[name]
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), fn(x)
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-6)
+
+
+def test_pooling_past_the_edge_stays_eager_with_its_reason():
+    x = torch.randn(2, 3, 9, 10)
+    fn = lambda x: F.avg_pool2d(x, 2, ceil_mode=True)  # noqa: E731
+    c = eqfuse.compile(fn, (x,))
+    assert [f.op for f in c.fallbacks] == ["avg_pool2d"] and c.fallbacks[0].reason, c.explain()
+    torch.testing.assert_close(c(x), fn(x))
+
+
 @pytest.mark.parametrize("fn", [torch.atan2, torch.hypot], ids=["atan2", "hypot"])
 def test_atan2_and_hypot_on_every_pair_of_special_values(fn):
     """Every pair of NaN, infinities, signed zeros, denormals, the largest floats and

@@ -134,6 +134,127 @@ def _cumprod_as_row_products(x, dim, dtype=None):
     return torch.where(upto, rows, one).prod(-1).movedim(-1, dim)
 
 
+# Pooling windows of up to this many elements are summed (or compared) as that many
+# strided views of the input, each one load of the kernel; larger ones stay ATen's unless
+# they tile the input (a reduction over each tile then).
+WINDOW_VIEWS = 64
+
+
+def _windows(x, kernel, stride, padding, fill: float):
+    """The views of ``x`` (padded with ``fill``) that line up one element of each pooling
+    window with each output: k1 x k2 x ... strided slices, which a kernel reads in place."""
+    dims = len(kernel)
+    spatial = x.shape[-dims:]
+    out = [(n + 2 * p - k) // s + 1 for n, k, s, p in zip(spatial, kernel, stride, padding)]
+    if (any(p > k // 2 for p, k in zip(padding, kernel)) or any(o <= 0 for o in out)
+            or math.prod(kernel) > WINDOW_VIEWS):
+        return None, None
+    pads = [p for pad in reversed(padding) for p in (pad, pad)]
+    padded = torch.nn.functional.pad(x, pads, value=fill) if any(padding) else x
+    views = []
+    for offsets in _product_of_ranges(kernel):
+        view = padded
+        for d, (o, s, n) in enumerate(zip(offsets, stride, out)):
+            axis = view.dim() - dims + d
+            every = [slice(None)] * view.dim()
+            every[axis] = slice(None, None, s)
+            view = view.narrow(axis, o, s * (n - 1) + 1)[tuple(every)]
+        views.append((offsets, view))
+    return views, out
+
+
+def _product_of_ranges(sizes):
+    found = [()]
+    for n in sizes:
+        found = [t + (i,) for t in found for i in range(n)]
+    return found
+
+
+def _avg_pool(x, kernel, stride, padding, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    """Average pooling: the mean of each tile where the windows tile the input, else the
+    sum of the windows' strided views over their count."""
+    if ceil_mode:
+        return NotImplemented  # windows past the edge count otherwise
+    tiles = _tiles(x, kernel, stride, padding)
+    if tiles is not None:
+        within = [2 * i + 1 - 2 * len(kernel) for i in range(len(kernel))]
+        return tiles.mean(within) if divisor_override is None else tiles.sum(within) / divisor_override
+    views, out = _windows(x, kernel, stride, padding, 0.0)
+    if views is None:
+        return NotImplemented
+    total = views[0][1]
+    for _, view in views[1:]:
+        total = total + view
+    if divisor_override:
+        return total / divisor_override
+    if count_include_pad or not any(padding):
+        return total / math.prod(kernel)
+    ones = torch.ones(x.shape[-len(kernel):], dtype=x.dtype, device=x.device)
+    counts, _ = _windows(ones, kernel, stride, padding, 0.0)
+    count = counts[0][1]
+    for _, view in counts[1:]:
+        count = count + view
+    return total / count
+
+
+def _each(values, dims: int) -> list:
+    """A pooling argument per spatial dim (ATen takes one for all)."""
+    return list(values) * dims if len(values) == 1 else list(values)
+
+
+def _avg_pool_of(dims: int):
+    def pool(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+             divisor_override=None):
+        kernel = _each(kernel_size, dims)
+        return _avg_pool(x, kernel, _each(stride, dims) if stride else kernel, _each(padding, dims), ceil_mode,
+                         count_include_pad, divisor_override)
+    return pool
+
+
+def _tiles(x, kernel, stride, padding):
+    """``x`` as [..., o1, k1, o2, k2, ...] where the windows tile it (stride = kernel, no
+    padding, the sizes multiples of the windows), else None."""
+    dims = len(kernel)
+    spatial = list(x.shape[-dims:])
+    if list(stride) != list(kernel) or any(padding) or any(n % k for n, k in zip(spatial, kernel)):
+        return None
+    return x.reshape(list(x.shape[:-dims]) + [m for n, k in zip(spatial, kernel) for m in (n // k, k)])
+
+
+def _adaptive_avg_pool(x, output_size):
+    """Adaptive average pooling where each output's window is the same (the input a
+    multiple of the output): average pooling with that window as its stride."""
+    spatial = x.shape[-len(output_size):]
+    if any(o == 0 or n % o for n, o in zip(spatial, output_size)):
+        return NotImplemented
+    kernel = [n // o for n, o in zip(spatial, output_size)]
+    return _avg_pool(x, kernel, kernel, [0] * len(kernel))
+
+
+def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    """Max pooling and the flat index in its plane of each window's first largest
+    element (NaN the largest), over the windows' strided views in order."""
+    kernel = _each(kernel_size, 2)
+    stride, padding = (_each(stride, 2) if stride else kernel), _each(padding, 2)
+    if ceil_mode or any(d != 1 for d in dilation) or not x.is_floating_point():
+        return NotImplemented
+    views, out = _windows(x, kernel, stride, padding, float("-inf"))
+    if views is None:
+        return NotImplemented
+    width = x.shape[-1]
+    rows = torch.arange(out[0], device=x.device).unsqueeze(1) * stride[0] - padding[0]
+    cols = torch.arange(out[1], device=x.device) * stride[1] - padding[1]
+    best, where = None, None
+    for (i, j), view in views:
+        here = (rows + i) * width + (cols + j)
+        if best is None:
+            best, where = view, here + torch.zeros(view.shape, dtype=here.dtype, device=x.device)
+            continue
+        better = (view > best) | (view.isnan() & ~best.isnan())
+        best, where = torch.where(better, view, best), torch.where(better, here, where)
+    return best, where
+
+
 ADDED = {
     aten.cumsum.default: _cumsum_as_row_sums,
     aten.cumprod.default: _cumprod_as_row_products,
@@ -142,4 +263,9 @@ ADDED = {
     aten.argmax.default: _argmax, aten.argmin.default: _argmin,
     aten.max.dim: _max_with_index, aten.min.dim: _min_with_index,
     aten.max.default: _max_of_all, aten.min.default: _min_of_all,
+    aten.avg_pool1d.default: _avg_pool_of(1), aten.avg_pool2d.default: _avg_pool_of(2),
+    aten.avg_pool3d.default: _avg_pool_of(3),
+    aten._adaptive_avg_pool2d.default: _adaptive_avg_pool, aten._adaptive_avg_pool3d.default: _adaptive_avg_pool,
+    aten.adaptive_avg_pool1d.default: _adaptive_avg_pool,
+    aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
 }
