@@ -200,6 +200,39 @@ def test_products_of_rows_are_reductions(name):
     assert torch.equal(torch.signbit(got), torch.signbit(want))
 
 
+SCANS = {  # (function, input): scans as row reductions over each element's prefix
+    "cummax": (lambda x: torch.cummax(x, 1), "floats"),
+    "cummin": (lambda x: torch.cummin(x, 1), "floats"),
+    "cummax dim 0": (lambda x: torch.cummax(x, 0), "floats"),
+    "cummax of ints": (lambda x: torch.cummax(x, 1), "ints"),
+    "cummin of ints": (lambda x: torch.cummin(x, -1), "ints"),
+    "logcumsumexp": (lambda x: torch.logcumsumexp(x, 1), "floats"),
+    "logcumsumexp of infinities": (lambda x: torch.logcumsumexp(x, 1), "infinities"),
+}
+SCAN_INPUTS = {
+    "floats": lambda: torch.tensor([[1., 3., 3., 2., float("nan"), 5., float("nan"), 7.],
+                                    [0.5, -0.0, 0.0, -1., float("inf"), 2., float("-inf"), 1.]]),
+    "ints": lambda: torch.tensor([[2, 1, 2, 2, 0, 0], [5, 5, 1, 9, 9, 3]]),
+    "infinities": lambda: torch.tensor([[1., float("-inf"), float("inf"), 2.], [float("-inf")] * 4,
+                                        [100., 200., 300., -1e30]]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCANS))
+def test_running_extremes_and_logcumsumexp_are_row_reductions(name):
+    """cummax/cummin (the last position holding each prefix's extreme, NaN from the first
+    NaN on, as torch's) and logcumsumexp (infinities as torch's): kernels, no eager step."""
+    fn, inputs = SCANS[name]
+    x = SCAN_INPUTS[inputs]()
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), fn(x)
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
 def test_products_of_integers_stay_eager_with_their_reason():
     x = torch.arange(1, 13).reshape(3, 4)
     for fn, op in ((lambda x: x.prod(1), "prod"), (lambda x: x.cumprod(1), "cumprod")):

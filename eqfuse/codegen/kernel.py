@@ -178,7 +178,7 @@ def _as_reduced(v: Val, dtype: str) -> Val:
     in Triton) reduced as an int64 meets int64's neutral element (argmin's first position)."""
     if not ops.is_int(dtype):
         return v
-    return replace(v, expr=f"({v.expr}).to({ops.TRITON_DTYPES[dtype]})")
+    return replace(v, expr=f"tl.cast({v.expr}, {ops.TRITON_DTYPES[dtype]})")  # (a literal has no .to)
 
 
 def _row_reduction(fn: str, tile: str, nan_aware: bool) -> str:

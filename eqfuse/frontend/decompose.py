@@ -35,6 +35,61 @@ def _cumsum_as_row_sums(x, dim, dtype=None):
     return torch.where(upto, rows, zero).sum(-1, dtype=x.dtype).movedim(-1, dim)  # int32 stays int32
 
 
+def _prefixes(x, dim: int, fill=None):
+    """Each element's prefix of its row, the rest ``fill``: [..., i, j] = x[..., j] where
+    j <= i (``dim`` moved last), for scans done as row reductions; None past CUMSUM_WORK.
+    No ``fill``: the row's first element, which every prefix holds (a neutral filler for
+    a max or a min in any dtype: int64's largest is no constant a term holds exactly)."""
+    n = x.shape[dim] if x.dim() else 1
+    if x.dim() == 0 or x.numel() * n > CUMSUM_WORK:
+        return None
+    index = torch.arange(n, device=x.device)
+    upto = index[None, :] <= index[:, None]  # [i, j]: j <= i
+    rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
+    filler = rows[..., :1] if fill is None else torch.full((), fill, dtype=x.dtype, device=x.device)
+    return torch.where(upto, rows, filler)
+
+
+def _running_extreme(x, dim: int, largest: bool):
+    """``cummax`` / ``cummin``: the extreme of each prefix (NaN from the first NaN on) and
+    the last position in the prefix holding it (torch's: ties and NaN the latest)."""
+    if x.dtype == torch.bool or x.dim() == 0:
+        return NotImplemented
+    prefixes = _prefixes(x, dim)
+    if prefixes is None:
+        return NotImplemented
+    values = prefixes.amax(-1) if largest else prefixes.amin(-1)
+    rows = x.movedim(dim, -1).unsqueeze(-2)
+    n = rows.shape[-1]
+    index = torch.arange(n, device=x.device)
+    hit = (index[None, :] <= index[:, None]) & (rows == values.unsqueeze(-1))
+    if x.is_floating_point():
+        hit = hit | (index[None, :] <= index[:, None]) & values.unsqueeze(-1).isnan() & rows.isnan()
+    positions = torch.where(hit, index, -1).amax(-1)
+    return values.movedim(-1, dim), positions.movedim(-1, dim)
+
+
+def _cummax(x, dim):
+    return _running_extreme(x, dim, largest=True)
+
+
+def _cummin(x, dim):
+    return _running_extreme(x, dim, largest=False)
+
+
+def _logcumsumexp(x, dim):
+    """The log of each prefix's sum of exponentials, its largest taken out first (an
+    infinite largest: 0 taken out, so that +inf stays inf and -inf gives -inf)."""
+    if not x.is_floating_point():
+        return NotImplemented
+    prefixes = _prefixes(x, dim, float("-inf"))
+    if prefixes is None:
+        return NotImplemented
+    top = prefixes.amax(-1, keepdim=True)
+    top = torch.where(top.isinf(), 0.0, top)
+    return (top.squeeze(-1) + (prefixes - top).exp().sum(-1).log()).movedim(-1, dim)
+
+
 def _flip_as_reads(x, dims):
     """``flip``: each flipped dim read backwards (index_select of a descending arange,
     an indexed read that the kernel computes the index of as it goes)."""
@@ -258,6 +313,7 @@ def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(
 ADDED = {
     aten.cumsum.default: _cumsum_as_row_sums,
     aten.cumprod.default: _cumprod_as_row_products,
+    aten.cummax.default: _cummax, aten.cummin.default: _cummin, aten.logcumsumexp.default: _logcumsumexp,
     aten.convolution.default: _patches_as_product,
     aten.flip.default: _flip_as_reads,
     aten.argmax.default: _argmax, aten.argmin.default: _argmin,
