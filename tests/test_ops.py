@@ -1009,7 +1009,21 @@ COPIES = {
     "unfold_copy": lambda x: torch.unfold_copy(x, 2, 2, 2),
     # a copy handed to an eager step that returns a view of it (resize_ runs in eager)
     "clone_resize": lambda x: x.clone().resize_(20, 10),
+    # copies of views, each a copying kernel (frontend/decompose.py)
+    "permute_copy": lambda x: torch.permute_copy(x, (2, 0, 1)),
+    "view_copy": lambda x: torch.view_copy(x, (20, 10)),
+    "narrow_copy": lambda x: x.narrow_copy(1, 1, 2),
+    "unbind_copy": lambda x: torch.unbind_copy(x, 1),
+    "as_strided_copy": lambda x: torch.as_strided_copy(x, (2, 2), (10, 1), 3),
 }
+VIEW_COPIES = ["permute_copy", "view_copy", "narrow_copy", "unbind_copy", "as_strided_copy"]
+
+
+@pytest.mark.parametrize("name", VIEW_COPIES)
+def test_a_copy_of_a_view_is_a_kernel(name):
+    x = torch.randn(4, 5, 10)
+    compiled = eqfuse.compile(COPIES[name], (x,))
+    assert compiled.kernels and not compiled.fallbacks, compiled.explain()
 
 
 @pytest.mark.parametrize("name", list(COPIES))

@@ -310,6 +310,16 @@ def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(
     return best, where
 
 
+def _copy_of(view):
+    """``<view>_copy``: the view, then a contiguous copy of it (no memory shared)."""
+    def copy(x, *args, **kwargs):
+        made = view(x, *args, **kwargs)
+        if isinstance(made, (tuple, list)):
+            return [m.clone(memory_format=torch.contiguous_format) for m in made]
+        return made.clone(memory_format=torch.contiguous_format)
+    return copy
+
+
 ADDED = {
     aten.cumsum.default: _cumsum_as_row_sums,
     aten.cumprod.default: _cumprod_as_row_products,
@@ -324,4 +334,7 @@ ADDED = {
     aten._adaptive_avg_pool2d.default: _adaptive_avg_pool, aten._adaptive_avg_pool3d.default: _adaptive_avg_pool,
     aten.adaptive_avg_pool1d.default: _adaptive_avg_pool,
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
+    aten.permute_copy.default: _copy_of(torch.permute), aten.view_copy.default: _copy_of(torch.Tensor.view),
+    aten.narrow_copy.default: _copy_of(torch.narrow), aten.unbind_copy.int: _copy_of(torch.unbind),
+    aten.as_strided_copy.default: _copy_of(torch.as_strided),
 }
