@@ -6,7 +6,9 @@ blocks (an encoder's layers, a decoder's) and the parts before, between and afte
 first take the first one's extracted plan instead of translating, saturating and
 extracting again (pipeline.shared_plans), and their kernels' sources are the first
 one's, which Triton compiles once. Each part keeps what a compiled graph has on its own:
-its variants, its first-call check, its CUDA graph.
+its variants, its first-call check; once every part has made its first call, all of them
+are recorded as one CUDA graph (each part's inputs, the activations between parts, come
+from the allocator at new addresses on each call: recorded apart, no part replayed).
 
 A ``LayeredGraph`` is called as a compiled graph is (``call_boxed`` lets go of each value
 after the last part that reads it) and reports the parts' kernels, library calls and
