@@ -157,6 +157,17 @@ def test_graphs_with_eager_fallbacks_are_refused(tmp_path):
     assert not (tmp_path / "manifest.json").exists()
 
 
+def test_a_kernel_calling_a_helper_exports(tmp_path):
+    """A row's product calls a helper the generated module defines (Triton has no
+    tl.prod): the exported kernels' module defines it too, and the kernel compiles."""
+    x = torch.rand(8, 16, device=DEVICE) + 0.5
+    compiled = eqfuse.compile(lambda x: x.prod(-1) * 2, (x,), autotune=False)
+    assert compiled.kernels and not compiled.fallbacks, compiled.explain()
+    manifest = json.loads(export_graph(compiled, tmp_path, arch=_arch()).read_text())
+    assert len(manifest["kernels"]) == len(compiled.kernels)
+    assert "def _row_product" in (tmp_path / "kernels.py").read_text()
+
+
 def test_unknown_architecture(tmp_path):
     with pytest.raises(AotCompileError, match="unknown GPU architecture 'hopper'"):
         parse_arch("hopper")

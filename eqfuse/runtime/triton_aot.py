@@ -56,8 +56,12 @@ import triton.language as tl
 
 def kernels_module(kernel_sources: list[str]) -> str:
     """A module of the kernels alone, to compile from: the generated module also holds the
-    launcher, which imports eqfuse's runtime; the stages' line numbers refer to this one."""
-    return KERNELS_HEADER + "\n\n".join(kernel_sources)
+    launcher, which imports eqfuse's runtime; the stages' line numbers refer to this one.
+    With the helpers the kernels call (a row's product: codegen/kernel.PRODUCT)."""
+    from ..codegen.kernel import PRODUCT, PRODUCT_SOURCE
+
+    helpers = [PRODUCT_SOURCE] if any(PRODUCT in source for source in kernel_sources) else []
+    return KERNELS_HEADER + "\n\n".join(helpers + kernel_sources)
 
 
 def parse_arch(arch) -> int:
