@@ -1244,9 +1244,38 @@ def test_a_write_at_one_position_is_a_kernel(name):
     got, want = c(cache, position, v), f(cache, position, v)
     torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
     assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0]))
-    c = eqfuse.compile(lambda c, p, v: c.index_copy(2, p, v.expand(2, 4, 2, 6).contiguous()),
-                       (cache, torch.tensor([1, 4]), cache[:, :, :1]))
-    assert [fb.op for fb in c.fallbacks] == ["index_put"] and "more than one position" in c.fallbacks[0].reason
+
+
+WRITES_AT_SEVERAL_POSITIONS = {  # (function, its positions, the values' shape): a position twice where allowed
+    "index_copy": (lambda c, p, v: c.index_copy(2, p, v), [1, 4], lambda c: c[:, :, :2] * 3),
+    "index_add": (lambda c, p, v: c.index_add(2, p, v), [1, 4, 1], lambda c: c[:, :, :3] * 3),
+    "index_put_from_the_end": (lambda c, p, v: c.index_put((p - c.shape[0],), v), [1, 0], lambda c: c[:2] * 3),
+    "index_put_accumulate": (lambda c, p, v: c.index_put((p,), v, accumulate=True), [1, 0, 1],
+                             lambda c: c[torch.tensor([0, 1, 1])] * 3),
+    "index_fill": (lambda c, p, v: c.index_fill(1, p, -0.0) + v.sum(), [1, 3, 1], lambda c: c[:1, :1, :1, :1]),
+    "cache prompt": (lambda c, p, v: torch.ops.aten.index_put(c, [None, None, p], v), [1, 4],
+                     lambda c: c[:, :, :2] * 3),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITES_AT_SEVERAL_POSITIONS))
+def test_writes_at_several_positions_are_kernels(name):
+    """A static cache's prompt written at its positions (frontend/decompose.py): for each
+    position the last index naming it, then the values read there, or each position's sum
+    of the values naming it where accumulating; kernels, no eager step; special values and
+    signed zeros as eager's (a sum's aside)."""
+    fn, positions, values = WRITES_AT_SEVERAL_POSITIONS[name]
+    cache = _special_rows(torch.float32)[:, :36].reshape(2, 4, 6, 6)
+    positions, v = torch.tensor(positions), values(cache).contiguous()
+
+    def f(c, p, v):
+        return fn(c, p, v) * 1
+    c = eqfuse.compile(f, (cache, positions, v))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(cache, positions, v), f(cache, positions, v)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-6, atol=1e-6)
+    if "add" not in name and "accumulate" not in name:
+        assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0]))
 
 
 def test_a_write_outside_the_tensor_gives_nan_where_eager_raises():
@@ -1258,3 +1287,5 @@ def test_a_write_outside_the_tensor_gives_nan_where_eager_raises():
     with pytest.raises(IndexError):
         f(cache, torch.tensor([5]), v)
     assert torch.isnan(c(cache, torch.tensor([5]), v)).all()
+    several = eqfuse.compile(f, (cache, torch.tensor([2, 0]), v.expand(3, 2, 2).contiguous()))
+    assert torch.isnan(several(cache, torch.tensor([2, 5]), v.expand(3, 2, 2).contiguous())).all()

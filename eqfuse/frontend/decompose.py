@@ -310,6 +310,52 @@ def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(
     return best, where
 
 
+def _index_put_at_many(x, indices, values, accumulate=False):
+    """``index_put`` with one index tensor of several positions along one dim (a static
+    cache's prompt written at its positions; index_copy, index_add and index_fill come
+    here decomposed): for each position of ``x`` the last index naming it (a reduction
+    over the indices), then that slot of ``values`` read there (an indexed read), ``x``
+    elsewhere; where accumulating, each position's sum of the values naming it. An index
+    outside ``x`` (eager raises) gives NaN throughout, for floats. One position is
+    from_fx's pointwise write; a boolean mask (nonzero: a shape from the values) and
+    writes past CUMSUM_WORK comparisons stay ATen's."""
+    given = [d for d, i in enumerate(indices) if i is not None]
+    if len(given) != 1:
+        return NotImplemented
+    (dim,) = given
+    index = indices[dim]
+    n, count = x.shape[dim] if x.dim() else 0, index.numel()
+    if (index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point() or type(n) is not int
+            or type(count) is not int or count <= 1):
+        return NotImplemented
+    slots = list(x.shape)
+    slots[dim] = count
+    rest = math.prod(slots) // count
+    if n * count * (rest if accumulate else 1) > CUMSUM_WORK:
+        return NotImplemented
+    written = torch.broadcast_to(values.to(x.dtype), slots)
+    wrapped = torch.where(index < 0, index + n, index)
+    naming = wrapped.unsqueeze(0) == torch.arange(n, device=x.device).unsqueeze(1)  # [position, index]
+    if accumulate:  # positions no index names keep x as it is (its -0.0 too: x + 0 would not)
+        summed = torch.where(naming, written.movedim(dim, -1).unsqueeze(-2), 0).sum(-1, dtype=x.dtype)
+        named = naming.any(1).reshape([n] + [1] * (x.dim() - 1 - dim))
+        out = torch.where(named, x + summed.movedim(-1, dim), x)
+    else:
+        last = torch.where(naming, torch.arange(count, device=x.device), -1).amax(1)  # [position]
+        taken = written.index_select(dim, last.clamp(min=0))
+        here = (last >= 0).reshape([n] + [1] * (x.dim() - 1 - dim))
+        out = torch.where(here, taken, x)
+    if x.is_floating_point():
+        outside = ((index < -n) | (index >= n)).any()
+        out = torch.where(outside, torch.full((), float("nan"), dtype=x.dtype, device=x.device), out)
+    return out
+
+
+def _index_put_in_place_at_many(x, indices, values, accumulate=False):
+    made = _index_put_at_many(x, indices, values, accumulate)
+    return made if made is NotImplemented else x.copy_(made)
+
+
 def _copy_of(view):
     """``<view>_copy``: the view, then a contiguous copy of it (no memory shared)."""
     def copy(x, *args, **kwargs):
@@ -337,4 +383,5 @@ ADDED = {
     aten.permute_copy.default: _copy_of(torch.permute), aten.view_copy.default: _copy_of(torch.Tensor.view),
     aten.narrow_copy.default: _copy_of(torch.narrow), aten.unbind_copy.int: _copy_of(torch.unbind),
     aten.as_strided_copy.default: _copy_of(torch.as_strided),
+    aten.index_put.default: _index_put_at_many, aten.index_put_.default: _index_put_in_place_at_many,
 }
