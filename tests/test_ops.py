@@ -233,6 +233,25 @@ def test_running_extremes_and_logcumsumexp_are_row_reductions(name):
         torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_a_histogram_with_its_range_is_a_reduction(dtype):
+    """histc over a given range (a mixture of experts' tokens per expert): each bin's count
+    of the elements in it, the top edge in the last bin, NaN and elements outside in none,
+    as eager's; kernels, no eager step. A range from the data, or half widths, stay eager."""
+    torch.manual_seed(0)
+    x = torch.randn(60) * 3
+    x[:5] = torch.tensor([float("nan"), 2.0, -2.0, 0.0, 1.2])
+    x = x.nan_to_num(nan=99.0).to(dtype) if dtype == torch.int32 else x.to(dtype)
+    fn = lambda x: torch.histc(x.float() if x.dtype == torch.int32 else x, 8, -2, 2)  # noqa: E731
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), fn(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for stays in (lambda x: torch.histc(x, 4), lambda x: torch.histc(x.half(), 4, -1, 1)):
+        c = eqfuse.compile(stays, (torch.randn(9),))
+        assert [f.op for f in c.fallbacks] == ["histc"], c.explain()
+
+
 def test_products_of_integers_stay_eager_with_their_reason():
     x = torch.arange(1, 13).reshape(3, 4)
     for fn, op in ((lambda x: x.prod(1), "prod"), (lambda x: x.cumprod(1), "cumprod")):

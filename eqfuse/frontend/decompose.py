@@ -356,6 +356,25 @@ def _index_put_in_place_at_many(x, indices, values, accumulate=False):
     return made if made is NotImplemented else x.copy_(made)
 
 
+def _histc(x, bins=100, min=0, max=0):
+    """``histc`` with its range given (a mixture of experts' tokens per expert): each bin's
+    count of the elements that fall in it (bins x elements comparisons, a reduction),
+    each element's bin ``(x - min) * bins / (max - min)`` as torch computes it, the top
+    edge in the last bin, elements outside the range (and NaN) in none. A range taken
+    from the data (min = max) stays ATen's, and so do half widths, whose bins ATen finds
+    in its own rounding (an element on an edge may land in the next bin in float32)."""
+    if (not max > min or x.numel() * bins > CUMSUM_WORK or x.dtype in (torch.bool, torch.float16, torch.bfloat16)
+            or (not x.is_floating_point() and x.dtype.itemsize > 4)):
+        return NotImplemented
+    value = x.reshape(-1)
+    value = value if value.is_floating_point() else value.to(torch.float32)
+    inside = (value >= min) & (value <= max)
+    which = ((value - min) * bins / (max - min)).floor().to(torch.int64)
+    which = torch.where(value == max, bins - 1, which)
+    falls = (which.unsqueeze(0) == torch.arange(bins, device=x.device).unsqueeze(1)) & inside.unsqueeze(0)
+    return falls.sum(1).to(x.dtype)
+
+
 def _copy_of(view):
     """``<view>_copy``: the view, then a contiguous copy of it (no memory shared)."""
     def copy(x, *args, **kwargs):
@@ -384,4 +403,5 @@ ADDED = {
     aten.narrow_copy.default: _copy_of(torch.narrow), aten.unbind_copy.int: _copy_of(torch.unbind),
     aten.as_strided_copy.default: _copy_of(torch.as_strided),
     aten.index_put.default: _index_put_at_many, aten.index_put_.default: _index_put_in_place_at_many,
+    aten.histc.default: _histc,
 }
