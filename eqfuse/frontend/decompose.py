@@ -22,17 +22,19 @@ CUMSUM_WORK = 1 << 24
 
 
 def _cumsum_as_row_sums(x, dim, dtype=None):
-    n = x.shape[dim] if x.dim() else 1
-    if x.dim() == 0 or x.numel() * n > CUMSUM_WORK:
-        return NotImplemented
     if dtype is None and not (x.is_floating_point() or x.is_complex()):
         dtype = torch.int64  # as torch: integers and bools sum in int64
     x = x.to(dtype) if dtype is not None else x
-    index = torch.arange(n, device=x.device)
-    upto = index[None, :] <= index[:, None]  # [i, j]: j <= i
-    rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    return torch.where(upto, rows, zero).sum(-1, dtype=x.dtype).movedim(-1, dim)  # int32 stays int32
+    prefixes = _prefixes(x, dim, 0)
+    if prefixes is None:
+        return NotImplemented
+    return prefixes.sum(-1, dtype=x.dtype).movedim(-1, dim)  # int32 stays int32
+
+
+def _upto(n: int, device) -> torch.Tensor:
+    """[i, j]: j <= i, the triangle of a row's prefixes."""
+    index = torch.arange(n, device=device)
+    return index[None, :] <= index[:, None]
 
 
 def _prefixes(x, dim: int, fill=None):
@@ -43,11 +45,9 @@ def _prefixes(x, dim: int, fill=None):
     n = x.shape[dim] if x.dim() else 1
     if x.dim() == 0 or x.numel() * n > CUMSUM_WORK:
         return None
-    index = torch.arange(n, device=x.device)
-    upto = index[None, :] <= index[:, None]  # [i, j]: j <= i
     rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
     filler = rows[..., :1] if fill is None else torch.full((), fill, dtype=x.dtype, device=x.device)
-    return torch.where(upto, rows, filler)
+    return torch.where(_upto(n, x.device), rows, filler)
 
 
 def _running_extreme(x, dim: int, largest: bool):
@@ -58,14 +58,14 @@ def _running_extreme(x, dim: int, largest: bool):
     prefixes = _prefixes(x, dim)
     if prefixes is None:
         return NotImplemented
-    values = prefixes.amax(-1) if largest else prefixes.amin(-1)
+    values = (prefixes.amax(-1) if largest else prefixes.amin(-1)).unsqueeze(-1)
     rows = x.movedim(dim, -1).unsqueeze(-2)
-    n = rows.shape[-1]
-    index = torch.arange(n, device=x.device)
-    hit = (index[None, :] <= index[:, None]) & (rows == values.unsqueeze(-1))
+    holds = rows == values
     if x.is_floating_point():
-        hit = hit | (index[None, :] <= index[:, None]) & values.unsqueeze(-1).isnan() & rows.isnan()
-    positions = torch.where(hit, index, -1).amax(-1)
+        holds = holds | (values.isnan() & rows.isnan())
+    n = rows.shape[-1]
+    positions = torch.where(_upto(n, x.device) & holds, torch.arange(n, device=x.device), -1).amax(-1)
+    values = values.squeeze(-1)
     return values.movedim(-1, dim), positions.movedim(-1, dim)
 
 
@@ -178,15 +178,11 @@ def _patches_as_product(x, weight, bias, stride, padding, dilation, transposed, 
 def _cumprod_as_row_products(x, dim, dtype=None):
     """``cumprod`` as ``cumsum`` is: each element the product over the triangle of its row
     up to it (floats only: integer products stay exact in ATen's scan)."""
-    n = x.shape[dim] if x.dim() else 1
     x = x.to(dtype) if dtype is not None else x
-    if x.dim() == 0 or not x.is_floating_point() or x.numel() * n > CUMSUM_WORK:
+    prefixes = _prefixes(x, dim, 1) if x.is_floating_point() else None
+    if prefixes is None:
         return NotImplemented
-    index = torch.arange(n, device=x.device)
-    upto = index[None, :] <= index[:, None]  # [i, j]: j <= i
-    rows = x.movedim(dim, -1).unsqueeze(-2)  # [..., 1, n]
-    one = torch.ones((), dtype=x.dtype, device=x.device)
-    return torch.where(upto, rows, one).prod(-1).movedim(-1, dim)
+    return prefixes.prod(-1).movedim(-1, dim)
 
 
 # Pooling windows of up to this many elements are summed (or compared) as that many
