@@ -252,6 +252,44 @@ def test_a_histogram_with_its_range_is_a_reduction(dtype):
         assert [f.op for f in c.fallbacks] == ["histc"], c.explain()
 
 
+TOPKS = {
+    "top 2 of rows": lambda x: torch.topk(x, 2, dim=-1),
+    "top 3 along dim 0": lambda x: torch.topk(x, 3, dim=0),
+    "top 1": lambda x: x.topk(1),
+    "router": lambda x: torch.topk(x.softmax(-1), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(TOPKS))
+def test_topk_of_a_few_is_passes_over_the_row(name):
+    """topk of up to TOPK_PASSES (a mixture of experts' router): that many passes, each
+    the largest not taken yet (NaN the largest, infinities, -0.0 as eager's); kernels, no
+    eager step; the values eager's, each index one holding its value (torch leaves the
+    order of ties open: eqfuse takes the lowest position)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    if name != "router":  # (a softmax of a row holding NaN is NaN throughout: ties)
+        x[0, 2], x[3, 1], x[4, 3] = float("nan"), float("inf"), -0.0
+        x[2, :6] = float("-inf")
+    fn = TOPKS[name]
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    (values, indices), (want_values, want_indices) = c(x), fn(x)
+    exact = {"rtol": 1e-6, "atol": 1e-7} if name == "router" else {"rtol": 0, "atol": 0}  # a softmax's ulp
+    torch.testing.assert_close(values, want_values, equal_nan=True, **exact)
+    dim = 0 if "dim 0" in name else -1
+    source = x.softmax(-1) if name == "router" else x
+    torch.testing.assert_close(source.gather(dim, indices), values, equal_nan=True, **exact)
+    assert indices.dtype == want_indices.dtype
+
+
+def test_other_topks_stay_eager_with_their_reason():
+    x = torch.randn(4, 8)
+    for fn in (lambda x: x.topk(2, largest=False), lambda x: x.topk(6), lambda x: (x * 4).int().topk(2)):
+        c = eqfuse.compile(fn, (x,))
+        assert [f.op for f in c.fallbacks] == ["topk"], c.explain()
+
+
 def test_products_of_integers_stay_eager_with_their_reason():
     x = torch.arange(1, 13).reshape(3, 4)
     for fn, op in ((lambda x: x.prod(1), "prod"), (lambda x: x.cumprod(1), "cumprod")):

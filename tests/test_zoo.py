@@ -25,7 +25,7 @@ from eqfuse.runtime.layered import LayeredGraph
 EAGER_OPS = {
     "llama": set(), "qwen2": set(), "mistral": set(), "gpt2": set(), "phi3": set(), "gemma2": set(),
     "gpt_neox": set(), "opt": set(),
-    "mixtral": {"empty_permuted", "grouped_mm_fallback", "sort", "topk"},
+    "mixtral": {"empty_permuted", "grouped_mm_fallback", "sort"},
     "bert": set(), "roberta": set(), "t5": set(), "bart": set(),
     "vit": set(),
 }

@@ -131,6 +131,35 @@ def _argmin(x, dim=None, keepdim=False):
     return _position_of(x, dim, keepdim, largest=False)
 
 
+# topk of up to this many is that many passes over the row (a mixture of experts' top 2
+# of 8); more stays ATen's sort-based kernel
+TOPK_PASSES = 4
+
+
+def _topk(x, k, dim=-1, largest=True, sorted=True):
+    """The ``k`` largest of each row as ``k`` passes: each the largest of the elements not
+    taken yet (NaN the largest, as torch's) and the first position holding it. Ties go
+    to the lowest position (torch leaves their order open). The smallest, integers, and
+    more than TOPK_PASSES, stay ATen's (torch ranks NaN above all there too)."""
+    if not largest or not x.is_floating_point() or type(k) is not int or not 0 < k <= TOPK_PASSES or x.dim() == 0:
+        return NotImplemented
+    rows = x.movedim(dim, -1)
+    n = rows.shape[-1]
+    if k > n:
+        return NotImplemented  # eager's error
+    position = torch.arange(n, device=x.device)
+    taken = torch.zeros(rows.shape, dtype=torch.bool, device=x.device)
+    values, indices = [], []
+    for _ in range(k):
+        top = torch.where(taken, float("-inf"), rows).amax(-1, keepdim=True)
+        holds = ((rows == top) | (top.isnan() & rows.isnan())) & ~taken
+        at = torch.where(holds, position, n).amin(-1, keepdim=True)
+        values.append(top)
+        indices.append(at)
+        taken = taken | (position == at)
+    return torch.cat(values, -1).movedim(-1, dim), torch.cat(indices, -1).movedim(-1, dim)
+
+
 def _max_with_index(x, dim, keepdim=False):
     return x.amax(dim, keepdim=keepdim), _position_of(x, dim, keepdim, largest=True)
 
@@ -400,4 +429,5 @@ ADDED = {
     aten.as_strided_copy.default: _copy_of(torch.as_strided),
     aten.index_put.default: _index_put_at_many, aten.index_put_.default: _index_put_in_place_at_many,
     aten.histc.default: _histc,
+    aten.topk.default: _topk,
 }
