@@ -6,6 +6,7 @@ in the table it traces with)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -50,6 +51,13 @@ def _prefixes(x, dim: int, fill=None):
     return torch.where(_upto(n, x.device), rows, filler)
 
 
+def _holds(x, extreme):
+    """Where ``x`` holds ``extreme``: equal to it (-0.0 and 0.0 alike, as torch compares
+    them), or NaN where it is NaN (torch's max and min are NaN wherever one is)."""
+    hit = x == extreme
+    return hit | (extreme.isnan() & x.isnan()) if x.is_floating_point() else hit
+
+
 def _running_extreme(x, dim: int, largest: bool):
     """``cummax`` / ``cummin``: the extreme of each prefix (NaN from the first NaN on) and
     the last position in the prefix holding it (torch's: ties and NaN the latest)."""
@@ -60,11 +68,8 @@ def _running_extreme(x, dim: int, largest: bool):
         return NotImplemented
     values = (prefixes.amax(-1) if largest else prefixes.amin(-1)).unsqueeze(-1)
     rows = x.movedim(dim, -1).unsqueeze(-2)
-    holds = rows == values
-    if x.is_floating_point():
-        holds = holds | (values.isnan() & rows.isnan())
     n = rows.shape[-1]
-    positions = torch.where(_upto(n, x.device) & holds, torch.arange(n, device=x.device), -1).amax(-1)
+    positions = torch.where(_upto(n, x.device) & _holds(rows, values), torch.arange(n, device=x.device), -1).amax(-1)
     values = values.squeeze(-1)
     return values.movedim(-1, dim), positions.movedim(-1, dim)
 
@@ -111,12 +116,9 @@ def _position_of(x, dim: int | None, keepdim: bool, largest: bool):
     if x.dtype == torch.bool:
         x = x.to(torch.uint8)
     extreme = x.amax(dim, keepdim=True) if largest else x.amin(dim, keepdim=True)
-    hit = x == extreme
-    if x.is_floating_point():
-        hit = hit | (extreme.isnan() & x.isnan())
     n = x.shape[dim]
     position = torch.arange(n, device=x.device).reshape([n] + [1] * (x.dim() - 1 - dim))
-    return torch.where(hit, position, n).amin(dim, keepdim=keepdim)
+    return torch.where(_holds(x, extreme), position, n).amin(dim, keepdim=keepdim)
 
 
 def _argmax(x, dim=None, keepdim=False):
@@ -152,8 +154,7 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
     values, indices = [], []
     for _ in range(k):
         top = torch.where(taken, float("-inf"), rows).amax(-1, keepdim=True)
-        holds = ((rows == top) | (top.isnan() & rows.isnan())) & ~taken
-        at = torch.where(holds, position, n).amin(-1, keepdim=True)
+        at = torch.where(_holds(rows, top) & ~taken, position, n).amin(-1, keepdim=True)
         values.append(top)
         indices.append(at)
         taken = taken | (position == at)
@@ -232,7 +233,7 @@ def _windows(x, kernel, stride, padding, fill: float):
     pads = [p for pad in reversed(padding) for p in (pad, pad)]
     padded = torch.nn.functional.pad(x, pads, value=fill) if any(padding) else x
     views = []
-    for offsets in _product_of_ranges(kernel):
+    for offsets in itertools.product(*(range(k) for k in kernel)):
         view = padded
         for d, (o, s, n) in enumerate(zip(offsets, stride, out)):
             axis = view.dim() - dims + d
@@ -241,13 +242,6 @@ def _windows(x, kernel, stride, padding, fill: float):
             view = view.narrow(axis, o, s * (n - 1) + 1)[tuple(every)]
         views.append((offsets, view))
     return views, out
-
-
-def _product_of_ranges(sizes):
-    found = [()]
-    for n in sizes:
-        found = [t + (i,) for t in found for i in range(n)]
-    return found
 
 
 def _avg_pool(x, kernel, stride, padding, ceil_mode=False, count_include_pad=True, divisor_override=None):
