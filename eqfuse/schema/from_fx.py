@@ -1433,11 +1433,13 @@ def _index_put(tr, node, x, indices, values, accumulate=False):
     """``x.index_put(indices, values)`` at one position along one dim (a static cache's
     update at a decode step's position, ``index_copy`` decomposed): ``values`` there, ``x``
     elsewhere (``x`` plus them where accumulating), pointwise. A position outside ``x``
-    (eager raises) gives NaN throughout. More positions (an indirect store) run in eager."""
+    (eager raises) gives NaN throughout. Several positions along one dim arrive here only
+    where frontend/decompose.py declined them, and run in eager."""
     given = [d for d, i in enumerate(indices) if i is not None]
     shape, dt = _out(node)
     if len(given) != 1 or len(indices[given[0]].shape) > 1 or math.prod(indices[given[0]].shape) != 1:
-        raise Unsupported("index_put at more than one position (an indirect store has no kernel form yet)")
+        raise Unsupported("index_put at several positions that no kernel form takes (a boolean mask, index tensors "
+                          "at several dims or of several dims, or more positions times indices than CUMSUM_WORK)")
     (dim,) = given
     index = indices[dim]
     _index_entry(index)
