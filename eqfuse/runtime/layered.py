@@ -242,12 +242,11 @@ class LayeredGraph:
         if any(getattr(v, "_check", None) is not None or getattr(v, "_complete", None) is not None for v in variants):
             return None
         replayers = [getattr(v, "graphs", None) for v in variants]
-        if not replayers or any(r is None or r.disabled for r in replayers):
-            self.graphs = None  # a part that does not record (an eager step that waits, no kernels, sizes)
-            return None
-        plans = [v.plan for v in variants]
-        if too_long_to_record(sum(p.cost for p in plans), sum(len(p.steps) for p in plans),
-                              self.options.cuda_graphs_under_us):  # each part short, all of them long (training)
+        # None for good: a part that does not record (an eager step that waits, no kernels,
+        # sizes), or parts each short and all of them long (training)
+        if (not replayers or any(r is None or r.disabled for r in replayers)
+                or too_long_to_record(sum(v.plan.cost for v in variants), sum(len(v.plan.steps) for v in variants),
+                                      self.options.cuda_graphs_under_us)):
             self.graphs = None
             return None
         count = sum(r.copy_limits[0] for r in replayers)
