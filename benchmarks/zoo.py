@@ -122,10 +122,11 @@ def eager_scores(model, prompt: torch.Tensor, static: bool) -> tuple:
                               disable_compile=True, output_scores=True, return_dict_in_generate=True).scores
 
 
-def judge_tokens(out: torch.Tensor, reference: torch.Tensor, scores: tuple) -> dict:
+def judge_tokens(out: torch.Tensor, reference: torch.Tensor, scores: tuple | None) -> dict:
     """tokens_as_eager (the share of equal tokens), and the pass: equal throughout, or the
     first difference a near-tie in eager's logits at that step (``tie_margin``: eager's
-    best logit less its logit of the token chosen instead, over the largest |logit|)."""
+    best logit less its logit of the token chosen instead, over the largest |logit|; ``scores``
+    may be None where the tokens are equal)."""
     found = {"tokens_as_eager": round((out == reference).float().mean().item(), 3)}
     differ = (out != reference).any(0).nonzero()
     if len(differ) == 0:
@@ -241,7 +242,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
     if generating:
         row["new_tokens"] = GENERATE_TOKENS
     exact = None if generating else float32_output(model, kwargs, training)
-    fns, reference = {}, None
+    fns, reference, scores = {}, None, None  # scores: eager's logits per step, made once where a generation differs
     for name, how in contenders(args.autotune, args.recompute, args.whole).items():
         entry = row["contenders"][name] = {}
         try:
@@ -256,7 +257,9 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
                 reference = out
             elif generating:
                 entry["compile_s_cold"] = round(seconds, 2)
-                entry.update(judge_tokens(out, reference, eager_scores(model, kwargs["input_ids"], mode == "static")))
+                if scores is None and not torch.equal(out, reference):
+                    scores = eager_scores(model, kwargs["input_ids"], mode == "static")
+                entry.update(judge_tokens(out, reference, scores))
             else:
                 entry["compile_s_cold"] = round(seconds, 2)
                 err = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
