@@ -19,6 +19,7 @@ import torch
 
 from ..schema import ops
 from ..schema.plan import BufArg, KernelSpec, Plan, PNode, last_uses, returned_buffers
+from .wide_attention import WideAttention
 
 # Memory bound of the check. A kernel whose nodes hold more elements than this is
 # evaluated in chunks along one dim of each root (the query rows of attention: the
@@ -415,12 +416,13 @@ UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 def _wide_outputs(captured, inputs) -> list | None:
     """The graph's outputs with its floating inputs in float64 (its own casts still round
     where it makes them), else in float32 where an op has no float64 (CUDA's
-    ``_grouped_mm``: Mixtral's experts), or None where neither runs (a fused attention
-    kernel of half precision only)."""
+    ``_grouped_mm``: Mixtral's experts), or None where neither runs (attention with
+    dropout). Fused attention kernels, of half precision only, compute as exact math
+    (``wide_attention``)."""
     for dtype in (torch.float64, torch.float32):
         wide = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
         try:
-            with _drawing_from(RANDOM_SEED):
+            with _drawing_from(RANDOM_SEED), WideAttention():
                 return captured.reference_outputs(wide[:captured.num_user_inputs])
         except Exception:  # noqa: BLE001,PERF203 - no such reference: try the next, then the first verdict stands
             continue

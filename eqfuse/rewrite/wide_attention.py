@@ -1,0 +1,167 @@
+"""Fused attention ops evaluated exactly, for validation's wide reference.
+
+Validation judges a plan computed from half-precision values against the graph run in
+float64 (``validate._wide_outputs``): in half precision a gradient that is zero in exact
+arithmetic is rounding noise in eager and in the plan alike, two noises of one size, so
+their relative difference is about sqrt(2) (a key projection's bias gradient: softmax
+ignores a shift of a row's scores). The fused attention kernels a GPU graph holds (cuDNN's,
+flash, memory-efficient, with their backwards) take half precision only, so such a graph
+had no wide reference, and a plan as good as eager fell back to eager (ViT's training step,
+whose attention has no dropout, on an H200). ``WideAttention`` stands in for them, as
+math in the inputs' own dtype: scores, softmax, the weighted sum, and the backward from
+those (recomputed, not read from the narrow forward's log-sum-exp). Dropout has no exact
+counterpart (the kernel's random draws): such a call raises ``NoStandIn``, and the
+reference is not made.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Elements of one block of scores: queries are taken in blocks of rows so that a long
+# sequence's float64 scores (batch 8 x 32 heads x 2048 x 2048 is 8 GiB) never exist whole
+SCORE_ELEMENTS = 1 << 24
+
+
+class NoStandIn(RuntimeError):
+    """The call has no exact stand-in (dropout)."""
+
+
+def _scores(q, k, bias, causal: bool, scale: float, rows: slice):
+    """Softmax of the scores of query rows ``rows`` (0 where a row has no key left)."""
+    s = (q[..., rows, :] @ k.transpose(-2, -1)) * scale
+    if bias is not None:
+        b = bias[..., rows, :] if bias.dim() >= 2 and bias.shape[-2] != 1 else bias
+        s = s.masked_fill(~b, float("-inf")) if b.dtype == torch.bool else s + b.to(s.dtype)
+    if causal:  # SDPA's is_causal: query i sees keys 0..i, aligned at the top left
+        i = torch.arange(rows.start, rows.stop, device=s.device).unsqueeze(-1)
+        s = s.masked_fill(torch.arange(s.shape[-1], device=s.device) > i, float("-inf"))
+    empty = torch.isneginf(s.amax(-1, keepdim=True))
+    return torch.where(empty, 0.0, torch.softmax(s, -1))
+
+
+def _grouped(q, k, v):
+    """``k`` and ``v`` repeated to ``q``'s heads (grouped-query attention), and the group size."""
+    group = q.shape[-3] // k.shape[-3]
+    if group == 1:
+        return k, v, 1
+    return k.repeat_interleave(group, -3), v.repeat_interleave(group, -3), group
+
+
+def _row_blocks(q, k):
+    per_row = max(1, q[..., 0, 0].numel() * k.shape[-2])
+    step = max(1, SCORE_ELEMENTS // per_row)
+    return [slice(r, min(r + step, q.shape[-2])) for r in range(0, q.shape[-2], step)]
+
+
+def _scale(q, scale):
+    return scale if scale is not None else q.shape[-1] ** -0.5
+
+
+def attention(q, k, v, bias=None, causal=False, scale=None, dropout_p=0.0):
+    """The output and the log-sum-exp's stand-in (zeros: no backward here reads it)."""
+    if dropout_p:
+        raise NoStandIn("attention with dropout")
+    k, v, _ = _grouped(q, k, v)
+    out = torch.cat([_scores(q, k, bias, causal, _scale(q, scale), rows) @ v for rows in _row_blocks(q, k)], -2)
+    return out, q.new_zeros(q.shape[:-1])
+
+
+def attention_backward(grad, q, k, v, bias=None, causal=False, scale=None, dropout_p=0.0):
+    """The gradients of ``attention`` with respect to q, k and v, at output gradient ``grad``."""
+    if dropout_p:
+        raise NoStandIn("attention with dropout")
+    kk, vv, group = _grouped(q, k, v)
+    scale = _scale(q, scale)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(kk), torch.zeros_like(vv)
+    for rows in _row_blocks(q, kk):
+        p = _scores(q, kk, bias, causal, scale, rows)
+        g = grad[..., rows, :]
+        dp = g @ vv.transpose(-2, -1)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # softmax's backward, row by row
+        dq[..., rows, :] = ds @ kk * scale
+        dk += ds.transpose(-2, -1) @ q[..., rows, :] * scale
+        dv += p.transpose(-2, -1) @ g
+    if group > 1:  # each kv head's gradient sums its query heads'
+        dk, dv = (t.unflatten(-3, (k.shape[-3], group)).sum(-3) for t in (dk, dv))
+    return dq, dk, dv
+
+
+def _named(func, args, kwargs) -> dict:
+    """The call's arguments by their schema names (defaults filled in)."""
+    named = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args):
+            named[a.name] = args[i]
+        elif a.name in kwargs:
+            named[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            named[a.name] = a.default_value
+    return named
+
+
+def _no_tensor(like):
+    return like.new_empty(0)
+
+
+# op -> its stand-in on the named arguments, returning what the op returns
+def _cudnn(a):
+    out, lse = attention(a["query"], a["key"], a["value"], a["attn_bias"], a["is_causal"], a["scale"], a["dropout_p"])
+    empty = _no_tensor(out)
+    return out, lse, empty, empty, 0, 0, empty, empty, empty
+
+
+def _flash(a):
+    out, lse = attention(a["query"], a["key"], a["value"], None, a["is_causal"], a["scale"], a["dropout_p"])
+    empty = _no_tensor(out)
+    return out, lse, empty, empty, 0, 0, empty, empty, empty
+
+
+def _efficient(a):
+    out, lse = attention(a["query"], a["key"], a["value"], a["attn_bias"], a["is_causal"], a["scale"], a["dropout_p"])
+    empty = _no_tensor(out)
+    return out, lse, empty, empty
+
+
+def _cpu_flash(a):
+    return attention(a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"], a["dropout_p"])
+
+
+def _backward(a, bias_name=None):
+    bias = a.get(bias_name) if bias_name else None
+    grad = a["grad_out"] if "grad_out" in a else a["grad_out_"]
+    return attention_backward(grad, a["query"], a["key"], a["value"], bias if bias is None or bias.numel() else None,
+                              a["is_causal"], a["scale"], a["dropout_p"])
+
+
+def _efficient_backward(a):
+    dq, dk, dv = _backward(a, "attn_bias")
+    if a["grad_input_mask"][3]:
+        raise NoStandIn("the gradient of an attention bias")
+    return dq, dk, dv, None
+
+
+STAND_INS = {
+    aten._scaled_dot_product_cudnn_attention.default: _cudnn,
+    aten._scaled_dot_product_cudnn_attention_backward.default: lambda a: _backward(a, "attn_bias"),
+    aten._scaled_dot_product_flash_attention.default: _flash,
+    aten._scaled_dot_product_flash_attention_backward.default: _backward,
+    aten._scaled_dot_product_efficient_attention.default: _efficient,
+    aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda a: _backward(a, "attn_mask"),
+}
+
+
+class WideAttention(TorchDispatchMode):
+    """Within it, the fused attention ops of ``STAND_INS`` compute as exact math in their
+    inputs' dtype (float64 where the caller widened them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        stand_in = STAND_INS.get(func)
+        if stand_in is None:
+            return func(*args, **(kwargs or {}))
+        return stand_in(_named(func, args, kwargs or {}))

@@ -1,0 +1,146 @@
+"""Validation's exact stand-ins for fused attention ops (rewrite/wide_attention.py): each
+op, called with its own arguments under ``WideAttention``, gives what autograd through
+plain float64 attention gives, in blocks of query rows too; dropout has none. And a graph
+of such ops (no CPU kernel, no float64 one) has a float64 reference for validation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eqfuse.rewrite import validate, wide_attention
+from eqfuse.rewrite.wide_attention import NoStandIn, WideAttention
+
+aten = torch.ops.aten
+B, HQ, L, S, E = 2, 4, 7, 9, 8
+
+
+def _case(heads_kv=HQ, bias=None, causal=False):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, HQ, L, E, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, heads_kv, S, E, generator=g, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(B, HQ, L, E, generator=g, dtype=torch.float64)
+    mask = {None: None, "float": torch.randn(B, 1, L, S, generator=g, dtype=torch.float64),
+            "bool": torch.rand(L, S, generator=g) > 0.3}[bias]
+    return q, k, v, grad, mask
+
+
+def _autograd(q, k, v, grad, mask, causal, scale=None):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad))
+
+
+CASES = {"plain": {}, "causal": {"causal": True}, "float bias": {"bias": "float"}, "bool mask": {"bias": "bool"},
+         "grouped query": {"heads_kv": 2}}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("block", [None, 2 * S])  # whole, and two query rows at a time
+def test_stand_in_math_is_autograd_through_plain_attention(case, block, monkeypatch):
+    if block:
+        monkeypatch.setattr(wide_attention, "SCORE_ELEMENTS", B * HQ * block)
+    spec = CASES[case]
+    q, k, v, grad, mask = _case(spec.get("heads_kv", HQ), spec.get("bias"))
+    causal = spec.get("causal", False)
+    want = _autograd(q, k, v, grad, mask, causal, scale=0.3)
+    out, _ = wide_attention.attention(q, k, v, mask, causal, 0.3)
+    got = (out, *wide_attention.attention_backward(grad, q, k, v, mask, causal, 0.3))
+    for name, g, w in zip(("output", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{case} {n}: {m}")
+
+
+def _ops_called(q, k, v, grad, bias, causal):
+    """Each fused op and its backward, called as AOTAutograd's graphs call them, on the CPU
+    (under the mode the stand-in answers before any kernel is looked for)."""
+    empty = q.new_empty(0)
+    yield "cudnn", aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False)[0], \
+        aten._scaled_dot_product_cudnn_attention_backward(grad, q, k, v, empty, empty, empty, empty,
+                                                          bias if bias is not None else empty, empty, empty,
+                                                          L, S, 0.0, causal)
+    if bias is None:
+        yield "flash", aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[0], \
+            aten._scaled_dot_product_flash_attention_backward(grad, q, k, v, empty, empty, empty, empty, L, S, 0.0,
+                                                              causal, empty, empty)
+    eff_bias = bias if bias is not None else None
+    yield "efficient", aten._scaled_dot_product_efficient_attention(q, k, v, eff_bias, True, 0.0, causal)[0], \
+        aten._scaled_dot_product_efficient_attention_backward(grad, q, k, v, bias if bias is not None else empty,
+                                                              empty, empty, empty, empty, 0.0,
+                                                              [True, True, True, False], causal)[:3]
+    yield "cpu flash", aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)[0], \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, empty, empty, 0.0, causal,
+                                                                  attn_mask=bias)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "float bias"])
+def test_each_fused_op_and_its_backward_computes_exact_attention_under_the_mode(case):
+    spec = CASES[case]
+    q, k, v, grad, mask = _case(spec.get("heads_kv", HQ), spec.get("bias"))
+    causal = spec.get("causal", False)
+    want = _autograd(q, k, v, grad, mask, causal)
+    with WideAttention():
+        called = list(_ops_called(q, k, v, grad, mask, causal))
+    assert len(called) == (4 if mask is None else 3)
+    for op, out, grads in called:
+        for name, g, w in zip(("output", "dq", "dk", "dv"), (out, *grads), want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m, o=op, n=name: f"{o} {n}: {m}")
+
+
+def test_the_stand_in_agrees_with_the_cpu_kernel_in_float64():
+    """The CPU's own fused kernel takes float64: the stand-in gives its values, a row with
+    every key masked included (0, as the fused kernels give, not softmax's NaN)."""
+    q, k, v, grad, keep = _case(bias="bool")
+    keep[2] = False
+    mask = torch.zeros(L, S, dtype=q.dtype).masked_fill(~keep, float("-inf"))  # the kernel takes query's dtype
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+    want = (out, *aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False,
+                                                                            attn_mask=mask))
+    with WideAttention():
+        got_out, _ = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+        got = (got_out, *aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
+                                                                                   False, attn_mask=mask))
+    assert torch.equal(got[0][:, :, 2], torch.zeros_like(got[0][:, :, 2]))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_dropout_has_no_stand_in():
+    q, k, v, grad, _ = _case()
+    with WideAttention(), pytest.raises(NoStandIn, match="dropout"):
+        aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.1)
+
+
+class _Captured:
+    """What ``validate._wide_outputs`` reads of a capture: the original function."""
+
+    def __init__(self, fn, num_user_inputs):
+        self.fn, self.num_user_inputs = fn, num_user_inputs
+
+    def reference_outputs(self, inputs):
+        return list(self.fn(*inputs))
+
+
+def _cudnn_step(q, k, v, grad):
+    """A training graph's attention as a GPU graph holds it: cuDNN's fused forward and
+    backward (no CPU kernel, and on a GPU no float64 one)."""
+    out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)
+    no_bias = q.new_empty(0)
+    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(grad, q, k, v, out, lse, seed, offset, no_bias,
+                                                                   cq, ck, mq, mk, 0.0, False)
+    return out, dk.sum((0, 2)), dv
+
+
+def test_validation_has_a_float64_reference_for_graphs_of_fused_attention_kernels():
+    """A bf16 key gradient summed over positions (a key bias's gradient) is zero in exact
+    arithmetic: the reference that judges it is the graph in float64, which a graph of
+    half-precision-only kernels had none of (ViT's training step on an H200 fell back to
+    eager: relative error 1.4, two noises)."""
+    q, k, v, grad, _ = _case()
+    narrow = [t.to(torch.bfloat16) for t in (q, k, v, grad)]
+    exact = validate._wide_outputs(_Captured(_cudnn_step, 4), narrow)
+    assert exact is not None and all(t.dtype == torch.float64 for t in exact)
+    wide = [t.double() for t in narrow]
+    out, _, dk, dv = _autograd(*wide, None, False)
+    for g, w in zip(exact, (out, dk.sum((0, 2)), dv)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    assert exact[1].abs().max() < 1e-12  # the bias gradient, exactly zero
