@@ -19,7 +19,7 @@ import torch
 
 from ..schema import ops
 from ..schema.plan import BufArg, KernelSpec, Plan, PNode, last_uses, returned_buffers
-from .wide_attention import WideAttention
+from .wide_reference import WideReference
 
 # Memory bound of the check. A kernel whose nodes hold more elements than this is
 # evaluated in chunks along one dim of each root (the query rows of attention: the
@@ -418,11 +418,11 @@ def _wide_outputs(captured, inputs) -> list | None:
     where it makes them), else in float32 where an op has no float64 (CUDA's
     ``_grouped_mm``: Mixtral's experts), or None where neither runs (attention with
     dropout). Fused attention kernels, of half precision only, compute as exact math
-    (``wide_attention``)."""
+    (``wide_reference``)."""
     for dtype in (torch.float64, torch.float32):
         wide = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
         try:
-            with _drawing_from(RANDOM_SEED), WideAttention():
+            with _drawing_from(RANDOM_SEED), WideReference(dtype):
                 return captured.reference_outputs(wide[:captured.num_user_inputs])
         except Exception:  # noqa: BLE001,PERF203 - no such reference: try the next, then the first verdict stands
             continue

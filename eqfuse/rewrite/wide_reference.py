@@ -1,23 +1,29 @@
-"""Fused attention ops evaluated exactly, for validation's wide reference.
+"""The ops that cannot run a graph widened to float64, made to, for validation's reference.
 
-Validation judges a plan computed from half-precision values against the graph run in
-float64 (``validate._wide_outputs``): in half precision a gradient that is zero in exact
-arithmetic is rounding noise in eager and in the plan alike, two noises of one size, so
-their relative difference is about sqrt(2) (a key projection's bias gradient: softmax
-ignores a shift of a row's scores). The fused attention kernels a GPU graph holds (cuDNN's,
-flash, memory-efficient, with their backwards) take half precision only, so such a graph
-had no wide reference, and a plan as good as eager fell back to eager (ViT's training step,
-whose attention has no dropout, on an H200). ``WideAttention`` stands in for them, as
-math in the inputs' own dtype: scores, softmax, the weighted sum, and the backward from
-those (recomputed, not read from the narrow forward's log-sum-exp). Dropout has no exact
-counterpart (the kernel's random draws): such a call raises ``NoStandIn``, and the
-reference is not made.
+Validation judges a plan computed from half-precision values against the graph run with
+its float inputs in float64 (``validate._wide_outputs``): in half precision a gradient
+that is zero in exact arithmetic is rounding noise in eager and in the plan alike, two
+noises of one size, so their relative difference is about sqrt(2) (a key projection's
+bias gradient: softmax ignores a shift of a row's scores). Where one op of the graph could
+not run widened, there was no reference, and a plan as good as eager fell back to eager
+(ViT's training backward on an H200). Within ``WideReference``, ``STAND_INS`` run them:
+
+- The fused attention kernels of a GPU graph (cuDNN's, flash, memory-efficient, with their
+  backwards) take half precision only: they compute as math in their inputs' dtype
+  (scores, softmax, the weighted sum, and the backward from those, recomputed rather than
+  read from the narrow forward's log-sum-exp). Dropout has no exact counterpart (the
+  kernel's random draws): such a call raises ``NoStandIn``, and no reference is made.
+- Softmax's backwards name the forward input's dtype (half) and CUDA's kernel then wants a
+  float32 gradient: they are told the dtype their widened gradient has.
+- The graph's own casts (to half precision, or a norm's to float32) round the value there,
+  and the result comes back widened, so that no op meets operands of two dtypes.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
 
@@ -144,6 +150,12 @@ def _efficient_backward(a):
     return dq, dk, dv, None
 
 
+def _softmax_backward(op):
+    def run(a):
+        return op(a["grad_output"], a["output"], a["dim"], a["grad_output"].dtype)
+    return run
+
+
 STAND_INS = {
     aten._scaled_dot_product_cudnn_attention.default: _cudnn,
     aten._scaled_dot_product_cudnn_attention_backward.default: lambda a: _backward(a, "attn_bias"),
@@ -153,15 +165,26 @@ STAND_INS = {
     aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda a: _backward(a, "attn_mask"),
+    aten._softmax_backward_data.default: _softmax_backward(aten._softmax_backward_data.default),
+    aten._log_softmax_backward_data.default: _softmax_backward(aten._log_softmax_backward_data.default),
 }
 
 
-class WideAttention(TorchDispatchMode):
-    """Within it, the fused attention ops of ``STAND_INS`` compute as exact math in their
-    inputs' dtype (float64 where the caller widened them)."""
+class WideReference(TorchDispatchMode):
+    """Within it, the ops of ``STAND_INS`` run by their stand-ins, and every op's float
+    outputs of another dtype than ``dtype`` come back in ``dtype``: where the graph casts
+    to half precision or float32 (a norm's upcast, a loss's), the value is rounded there
+    as the graph rounds it, and the ops after see ``dtype`` again (a product of a cast
+    value and a widened weight would otherwise have operands of two dtypes)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         stand_in = STAND_INS.get(func)
-        if stand_in is None:
-            return func(*args, **(kwargs or {}))
-        return stand_in(_named(func, args, kwargs or {}))
+        out = func(*args, **(kwargs or {})) if stand_in is None else stand_in(_named(func, args, kwargs or {}))
+        return tree_map_only(torch.Tensor, self._widened, out)
+
+    def _widened(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t

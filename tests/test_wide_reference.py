@@ -1,5 +1,5 @@
-"""Validation's exact stand-ins for fused attention ops (rewrite/wide_attention.py): each
-op, called with its own arguments under ``WideAttention``, gives what autograd through
+"""Validation's stand-ins for ops that cannot run widened (rewrite/wide_reference.py): each fused attention
+op, called with its own arguments under ``WideReference``, gives what autograd through
 plain float64 attention gives, in blocks of query rows too; dropout has none. And a graph
 of such ops (no CPU kernel, no float64 one) has a float64 reference for validation."""
 
@@ -7,20 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eqfuse.rewrite import validate, wide_attention
-from eqfuse.rewrite.wide_attention import NoStandIn, WideAttention
+from eqfuse.rewrite import validate, wide_reference
+from eqfuse.rewrite.wide_reference import NoStandIn, WideReference
 
 aten = torch.ops.aten
 B, HQ, L, S, E = 2, 4, 7, 9, 8
 
 
 def _case(heads_kv=HQ, bias=None, causal=False):
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(B, HQ, L, E, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(B, heads_kv, S, E, generator=g, dtype=torch.float64) for _ in range(2))
-    grad = torch.randn(B, HQ, L, E, generator=g, dtype=torch.float64)
-    mask = {None: None, "float": torch.randn(B, 1, L, S, generator=g, dtype=torch.float64),
-            "bool": torch.rand(L, S, generator=g) > 0.3}[bias]
+    g = torch.Generator().manual_seed(3)  # on the CPU: the stand-ins' math is the same everywhere
+    q = torch.randn(B, HQ, L, E, generator=g, dtype=torch.float64, device="cpu")
+    k, v = (torch.randn(B, heads_kv, S, E, generator=g, dtype=torch.float64, device="cpu") for _ in range(2))
+    grad = torch.randn(B, HQ, L, E, generator=g, dtype=torch.float64, device="cpu")
+    mask = {None: None, "float": torch.randn(B, 1, L, S, generator=g, dtype=torch.float64, device="cpu"),
+            "bool": torch.rand(L, S, generator=g, device="cpu") > 0.3}[bias]
     return q, k, v, grad, mask
 
 
@@ -39,13 +39,13 @@ CASES = {"plain": {}, "causal": {"causal": True}, "float bias": {"bias": "float"
 @pytest.mark.parametrize("block", [None, 2 * S])  # whole, and two query rows at a time
 def test_stand_in_math_is_autograd_through_plain_attention(case, block, monkeypatch):
     if block:
-        monkeypatch.setattr(wide_attention, "SCORE_ELEMENTS", B * HQ * block)
+        monkeypatch.setattr(wide_reference, "SCORE_ELEMENTS", B * HQ * block)
     spec = CASES[case]
     q, k, v, grad, mask = _case(spec.get("heads_kv", HQ), spec.get("bias"))
     causal = spec.get("causal", False)
     want = _autograd(q, k, v, grad, mask, causal, scale=0.3)
-    out, _ = wide_attention.attention(q, k, v, mask, causal, 0.3)
-    got = (out, *wide_attention.attention_backward(grad, q, k, v, mask, causal, 0.3))
+    out, _ = wide_reference.attention(q, k, v, mask, causal, 0.3)
+    got = (out, *wide_reference.attention_backward(grad, q, k, v, mask, causal, 0.3))
     for name, g, w in zip(("output", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{case} {n}: {m}")
 
@@ -78,7 +78,7 @@ def test_each_fused_op_and_its_backward_computes_exact_attention_under_the_mode(
     q, k, v, grad, mask = _case(spec.get("heads_kv", HQ), spec.get("bias"))
     causal = spec.get("causal", False)
     want = _autograd(q, k, v, grad, mask, causal)
-    with WideAttention():
+    with WideReference(torch.float64):
         called = list(_ops_called(q, k, v, grad, mask, causal))
     assert len(called) == (4 if mask is None else 3)
     for op, out, grads in called:
@@ -91,11 +91,12 @@ def test_the_stand_in_agrees_with_the_cpu_kernel_in_float64():
     every key masked included (0, as the fused kernels give, not softmax's NaN)."""
     q, k, v, grad, keep = _case(bias="bool")
     keep[2] = False
-    mask = torch.zeros(L, S, dtype=q.dtype).masked_fill(~keep, float("-inf"))  # the kernel takes query's dtype
+    # the kernel takes a mask of query's dtype
+    mask = torch.zeros(L, S, dtype=q.dtype, device="cpu").masked_fill(~keep, float("-inf"))
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
     want = (out, *aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False,
                                                                             attn_mask=mask))
-    with WideAttention():
+    with WideReference(torch.float64):
         got_out, _ = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
         got = (got_out, *aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
                                                                                    False, attn_mask=mask))
@@ -106,7 +107,7 @@ def test_the_stand_in_agrees_with_the_cpu_kernel_in_float64():
 
 def test_dropout_has_no_stand_in():
     q, k, v, grad, _ = _case()
-    with WideAttention(), pytest.raises(NoStandIn, match="dropout"):
+    with WideReference(torch.float64), pytest.raises(NoStandIn, match="dropout"):
         aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.1)
 
 
@@ -144,3 +145,32 @@ def test_validation_has_a_float64_reference_for_graphs_of_fused_attention_kernel
     for g, w in zip(exact, (out, dk.sum((0, 2)), dv)):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
     assert exact[1].abs().max() < 1e-12  # the bias gradient, exactly zero
+
+
+@pytest.mark.parametrize("op, forward", [(aten._softmax_backward_data.default, torch.softmax),
+                                         (aten._log_softmax_backward_data.default, torch.log_softmax)])
+def test_softmax_backward_naming_a_half_input_runs_at_its_widened_gradients_dtype(op, forward, monkeypatch):
+    """The graph names the forward input's dtype (bf16); CUDA's kernel then wants a float32
+    gradient, and a float64 one stopped the reference (ViT's classifier loss on an H200)."""
+    g = torch.Generator().manual_seed(0)
+    grad, x = (torch.randn(3, 5, generator=g, dtype=torch.float64, device="cpu") for _ in range(2))
+    out = forward(x, -1)
+    called = []
+    run = wide_reference.STAND_INS[op]
+    monkeypatch.setitem(wide_reference.STAND_INS, op, lambda a: called.append(a["dim"]) or run(a))
+    with WideReference(torch.float64):
+        got = op(grad, out, -1, torch.bfloat16)
+    assert called == [-1] and got.dtype == torch.float64
+    assert torch.equal(got, op(grad, out, -1, torch.float64))
+
+
+def test_a_graphs_own_casts_round_there_and_the_ops_after_see_the_wide_dtype():
+    """A cast to bf16 then a product with a widened weight: eager would refuse operands of
+    two dtypes (ViT's backward on an H200, and a norm's float32 upcast likewise); the
+    reference rounds where the graph rounds and computes on in float64."""
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(4, 4, generator=g, dtype=torch.float64, device="cpu") for _ in range(2))
+    with WideReference(torch.float64):
+        got = aten.mm(aten._to_copy(x, dtype=torch.bfloat16), w).sum(dtype=torch.float32)
+    assert got.dtype == torch.float64
+    assert got == (x.to(torch.bfloat16).double() @ w).sum().float().double()
