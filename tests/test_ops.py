@@ -334,6 +334,34 @@ def test_a_convolution_whose_windows_tile_the_input_is_a_product(name):
     torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", list(PATCHES))
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, True)])  # (False: an image needs no gradient)
+def test_the_backward_of_a_convolution_whose_windows_tile_the_input_is_products(name, mask):
+    """``convolution_backward`` as a training graph holds it (a vision transformer's patch
+    embedding): the input's, the weight's and the bias's gradients as products over the
+    patches and a sum, no eager step; values as eager's, special values included."""
+    shape, weight_shape, stride = PATCHES[name]
+    dims = len(shape) - 2
+    torch.manual_seed(0)
+    x, w = torch.randn(shape), torch.randn(weight_shape)
+    x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 3e38])
+    grad = torch.randn(torch.ops.aten.convolution(x, w, None, [stride] * dims, [0] * dims, [1] * dims, False,
+                                                  [0] * dims, 1).shape)
+    grad.view(-1)[:2] = torch.tensor([-0.0, 1e-40])
+
+    def fn(grad, x, w):
+        return torch.ops.aten.convolution_backward(grad, x, w, [weight_shape[0]], [stride] * dims, [0] * dims,
+                                                   [1] * dims, False, [0] * dims, 1, list(mask))
+    c = eqfuse.compile(fn, (grad, x, w))
+    assert c.kernels and not c.fallbacks, c.explain()
+    for got, want in zip(c(grad, x, w), fn(grad, x, w)):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-4, atol=1e-4 * want.abs().nan_to_num(
+                0, 0, 0).max().item())
+
+
 def test_other_convolutions_stay_eager_with_their_reason():
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     for fn in (lambda x, w: F.conv2d(x, w), lambda x, w: F.conv2d(x, w, stride=3, padding=1)):

@@ -33,7 +33,7 @@ EAGER_OPS = {
 TRAIN_EAGER_OPS = {
     "llama": set(), "gpt2": set(), "bert": set(), "t5": set(), "mixtral": set(),
 }
-TRAINED = ["llama", "gpt2", "bert", "t5", "mixtral"]
+TRAINED = ["llama", "gpt2", "bert", "t5", "mixtral", "vit"]
 DECODERS = [f.name for f in zoo.FAMILIES if f.kind == zoo.DECODER]
 LAYERS = MIN_BLOCKS
 DEPTH = {

@@ -177,32 +177,69 @@ def _min_of_all(x):
     return x.amin() if x.numel() else NotImplemented
 
 
-def _patches_as_product(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    """A convolution whose windows tile the input (stride = kernel size, no padding, no
-    dilation, one group: a vision transformer's patch embedding, a 1x1 convolution) as the
-    matrix product it is: the patches, a view of the input laid out as rows of C x k x k,
-    times the weight's rows. The product reads the patches through that view (no copy
-    where the kernel can index it); the output comes back as the convolution's shape, in
-    channels-last memory, which the patch embedding's ``flatten(2).transpose(1, 2)``
-    makes contiguous rows again. Other convolutions stay ATen's (cuDNN)."""
+def _patch_rows(x, weight, stride, padding, dilation, transposed, groups):
+    """The patches of a convolution whose windows tile the input (stride = kernel size, no
+    padding, no dilation, one group), a view of the input laid out as rows of C x k x k in
+    the weight's order, and the output's spatial sizes; else None."""
     kernel = list(weight.shape[2:])
     spatial = list(x.shape[2:])
     if (transposed or groups != 1 or any(padding) or any(d != 1 for d in dilation) or list(stride) != kernel
             or not kernel or len(spatial) != len(kernel) or any(s < k for s, k in zip(spatial, kernel))):
-        return NotImplemented
+        return None
     dims = len(kernel)
     out = [s // k for s, k in zip(spatial, kernel)]
     for d, (o, k) in enumerate(zip(out, kernel)):  # the rows and columns past the last window are not read
         x = x.narrow(2 + d, 0, o * k)
-    batch, channels, outputs = x.shape[0], x.shape[1], weight.shape[0]
+    batch, channels = x.shape[0], x.shape[1]
     tiled = x.reshape([batch, channels] + [n for o, k in zip(out, kernel) for n in (o, k)])
     # [batch, o1, o2, .., channels, k1, k2, ..]: one patch per row, in the weight's order
     order = [0] + [2 + 2 * d for d in range(dims)] + [1] + [3 + 2 * d for d in range(dims)]
-    rows = tiled.permute(order).reshape(batch * math.prod(out), channels * math.prod(kernel))
-    y = rows @ weight.reshape(outputs, -1).t()
+    return tiled.permute(order).reshape(batch * math.prod(out), channels * math.prod(kernel)), out
+
+
+def _patches_as_product(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A convolution whose windows tile the input (a vision transformer's patch embedding,
+    a 1x1 convolution) as the matrix product it is: the patches (``_patch_rows``) times
+    the weight's rows. The product reads the patches through that view (no copy where the
+    kernel can index it); the output comes back as the convolution's shape, in
+    channels-last memory, which the patch embedding's ``flatten(2).transpose(1, 2)`` makes
+    contiguous rows again. Other convolutions stay ATen's (cuDNN)."""
+    tiling = _patch_rows(x, weight, stride, padding, dilation, transposed, groups)
+    if tiling is None:
+        return NotImplemented
+    rows, out = tiling
+    y = rows @ weight.reshape(weight.shape[0], -1).t()
     if bias is not None:
         y = y + bias
-    return y.reshape([batch] + out + [outputs]).permute([0, dims + 1] + list(range(1, dims + 1)))
+    dims = len(out)
+    return y.reshape([x.shape[0]] + out + [weight.shape[0]]).permute([0, dims + 1] + list(range(1, dims + 1)))
+
+
+def _patches_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+                      output_mask):
+    """``convolution_backward`` of a convolution whose windows tile the input: the
+    products of its forward transposed. The weight's gradient is the output gradient's
+    rows times the patches, the input's is the rows times the weight laid back over the
+    windows (zero past the last one), the bias's the rows' sum."""
+    tiling = _patch_rows(x, weight, stride, padding, dilation, transposed, groups)
+    if tiling is None:
+        return NotImplemented
+    rows, out = tiling
+    dims, outputs, kernel = len(out), weight.shape[0], list(weight.shape[2:])
+    g = grad.permute([0] + list(range(2, dims + 2)) + [1]).reshape(-1, outputs)  # one row per patch
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        patches = (g @ weight.reshape(outputs, -1)).reshape([x.shape[0]] + out + [x.shape[1]] + kernel)
+        order = [0, dims + 1] + [n for d in range(dims) for n in (1 + d, dims + 2 + d)]
+        grad_input = patches.permute(order).reshape(list(x.shape[:2]) + [o * k for o, k in zip(out, kernel)])
+        past = [n for s, o, k in reversed(list(zip(x.shape[2:], out, kernel))) for n in (0, s - o * k)]
+        if any(past):
+            grad_input = aten.constant_pad_nd(grad_input, past, 0.0)
+    if output_mask[1]:
+        grad_weight = (g.t() @ rows).reshape(weight.shape)
+    if output_mask[2]:
+        grad_bias = g.sum(0)
+    return grad_input, grad_weight, grad_bias
 
 
 def _cumprod_as_row_products(x, dim, dtype=None):
@@ -408,7 +445,7 @@ ADDED = {
     aten.cumsum.default: _cumsum_as_row_sums,
     aten.cumprod.default: _cumprod_as_row_products,
     aten.cummax.default: _cummax, aten.cummin.default: _cummin, aten.logcumsumexp.default: _logcumsumexp,
-    aten.convolution.default: _patches_as_product,
+    aten.convolution.default: _patches_as_product, aten.convolution_backward.default: _patches_backward,
     aten.flip.default: _flip_as_reads,
     aten.argmax.default: _argmax, aten.argmin.default: _argmin,
     aten.max.dim: _max_with_index, aten.min.dim: _min_with_index,
