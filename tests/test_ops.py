@@ -370,6 +370,67 @@ def test_other_convolutions_stay_eager_with_their_reason():
         torch.testing.assert_close(c(x, w), fn(x, w))
 
 
+_IDX = torch.tensor([[0, 1, 2, 3, 0], [0, 1, 2, 3, 1], [3, 3, 0, 3, 1]])  # duplicates along dim 0
+SCATTERS = {
+    "scatter_add": lambda x, s: x.scatter_add(0, _IDX, s),
+    "scatter, several values to a position": lambda x, s: x.scatter(0, _IDX, s),
+    "scatter of a source larger than its index": lambda x, s: x.scatter(0, _IDX[:1], s),
+    "scatter of a value": lambda x, s: x.scatter(1, _IDX[:, :4], 2.5),
+    "scatter multiplying": lambda x, s: x.scatter(0, _IDX, s, reduce="multiply"),
+    **{f"scatter_reduce {r}{'' if keep else ', not self'}": (
+        lambda x, s, r=r, keep=keep: x.scatter_reduce(0, _IDX, s, r, include_self=keep))
+       for r in ("sum", "prod", "mean", "amax", "amin") for keep in (True, False)},
+    "scatter past the index's extent": lambda x, s: x.scatter_add(1, _IDX[:2, :3], s[:2, :3]),
+    "index_reduce amax": lambda x, s: x.index_reduce(0, torch.tensor([1, 3, 1]), s, "amax"),
+    "index_reduce mean": lambda x, s: x.index_reduce(1, torch.tensor([0, 4, 0]), s.t()[:4], "mean",
+                                                     include_self=False),
+    "index_reduce of a scalar": lambda x, s: x[0, 0].index_reduce(0, torch.tensor([0]), s[0, 0], "amin"),
+    "scatter_add of a scalar": lambda x, s: x[1, 2].scatter_add(0, torch.tensor(0), s[2, 2]),
+    "put": lambda x, s: x.put(torch.tensor([0, 7, -1, 7]), s.reshape(-1)[:4]),
+    "put accumulating": lambda x, s: x.put(torch.tensor([0, 7, -1, 7]), s.reshape(-1)[:4], accumulate=True),
+    "masked_scatter": lambda x, s: x.masked_scatter(x > 0, s.reshape(-1).repeat(2)),
+}
+
+
+def _scatter_inputs(dtype=torch.float32):
+    torch.manual_seed(0)
+    if not dtype.is_floating_point:
+        return torch.randint(-5, 5, (4, 5), dtype=dtype), torch.randint(-9, 9, (3, 5), dtype=dtype)
+    x, src = torch.randn(4, 5, dtype=dtype), torch.randn(3, 5, dtype=dtype)
+    x[0, 0], x[1, 1], src[2, 3], src[0, 1], src[1, 2] = -0.0, float("nan"), float("inf"), 3e38, 1e-40
+    return x, src
+
+
+@pytest.mark.parametrize("name", list(SCATTERS))
+def test_scatters_with_several_values_per_position_are_reductions_over_the_index(name):
+    """scatter, scatter_add, scatter_reduce, index_reduce, put and masked_scatter where
+    several values name one position (frontend/decompose.py): kernels only, eager's values,
+    special values included (NaN carried by a maximum, -0.0 kept where nothing lands)."""
+    fn = SCATTERS[name]
+    x, src = _scatter_inputs()
+    c = eqfuse.compile(fn, (x, src))
+    assert c.kernels and not c.fallbacks, c.explain()
+    torch.testing.assert_close(c(x, src), fn(x, src), equal_nan=True)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "amax", "amin"])
+def test_an_integer_scatter_reduce_is_exact(reduce):
+    fn = lambda x, s: x.scatter_reduce(0, _IDX, s, reduce, include_self=False)  # noqa: E731
+    x, src = _scatter_inputs(torch.int32)
+    c = eqfuse.compile(fn, (x, src))
+    assert c.kernels and not c.fallbacks, c.explain()
+    assert torch.equal(c(x, src), fn(x, src))
+
+
+def test_a_scatter_index_outside_the_tensor_gives_nan_where_eager_raises():
+    fn = lambda x, s, i: x.scatter_add(0, i, s)  # noqa: E731
+    x, src = _scatter_inputs()
+    c = eqfuse.compile(fn, (x, src, _IDX))
+    with pytest.raises(RuntimeError):
+        fn(x, src, _IDX + 2)
+    assert c(x, src, _IDX + 2).isnan().all()
+
+
 FLIPS = {
     "last dim": (lambda x: x.flip(-1), torch.float32),
     "two dims": (lambda x: x.flip(0, 2) * 2, torch.float32),
@@ -1012,13 +1073,16 @@ def test_any_over_no_elements_is_false_and_all_is_true():
         assert torch.equal(got, want)
 
 
-def test_gather_of_several_indices_per_row_reads_them_and_scatter_runs_in_eager_with_the_reason():
+def test_gather_of_several_indices_per_row_reads_them_and_scatter_past_its_work_bound_runs_in_eager(monkeypatch):
+    from eqfuse.frontend import decompose
+
     x, index = torch.randn(4, 9), torch.randint(0, 9, (4, 3))
     c = eqfuse.compile(lambda x, i: x.gather(1, i) + 1, (x, index))
     assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
     assert_matches(c(x, index), x.gather(1, index) + 1)
+    monkeypatch.setattr(decompose, "CUMSUM_WORK", 9 * 4 * 3 - 1)  # one comparison short
     c = eqfuse.compile(lambda x, i: x.scatter(1, i, 2.0) + 1, (x, index))
-    assert [fb.op for fb in c.fallbacks] == ["scatter"] and "more than one index per row" in c.fallbacks[0].reason
+    assert [fb.op for fb in c.fallbacks] == ["scatter"] and "CUMSUM_WORK" in c.fallbacks[0].reason
     assert_matches(c(x, index), x.scatter(1, index, 2.0) + 1)
 
 

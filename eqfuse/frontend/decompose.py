@@ -431,6 +431,132 @@ def _histc(x, bins=100, min=0, max=0):
     return falls.sum(1).to(x.dtype)
 
 
+# The reductions a scatter combines the values naming one position with (as
+# scatter_reduce names them), and the value that leaves each unchanged where it has one.
+_SCATTER_REDUCTIONS = {"sum": 0, "prod": 1, "amax": float("-inf"), "amin": float("inf"), "mean": 0, "assign": None}
+
+
+def _scattered(x, dim, index, src, reduce: str, include_self: bool = True):
+    """``scatter_reduce`` (``scatter``: ``reduce`` "assign", the last value naming a
+    position) as reductions over the index: for each position along ``dim`` of each row,
+    the values whose index names it, combined (with ``x``'s own where ``include_self``);
+    positions no index names keep ``x``'s value as it is (-0.0 too), and so do rows past
+    the index's extent. An index outside ``x`` (eager raises) gives NaN throughout, for
+    floats. Each position compares every index of its row: past CUMSUM_WORK comparisons,
+    and for bools or an integer mean, the op stays ATen's."""
+    if x.dim() == 0 and index.dim() == 0:  # a scalar: its one position
+        made = _scattered(x.reshape(1), 0, index.reshape(1), src.reshape(1) if isinstance(src, torch.Tensor) else src,
+                          reduce, include_self)
+        return made if made is NotImplemented else made.reshape(())
+    if x.dim() == 0 or index.dim() != x.dim() or x.dtype == torch.bool or index.numel() == 0:
+        return NotImplemented
+    dim %= x.dim()
+    n, extent = x.shape[dim], list(index.shape)
+    if type(n) is not int or n * index.numel() > CUMSUM_WORK or (reduce == "mean" and not x.is_floating_point()):
+        return NotImplemented
+    if isinstance(src, torch.Tensor):
+        for d, e in enumerate(extent):
+            src = src.narrow(d, 0, e)
+        src = src.to(x.dtype)
+    else:
+        src = torch.full(extent, src, dtype=x.dtype, device=x.device)
+    region = x
+    for d, e in enumerate(extent):
+        if d != dim:
+            region = region.narrow(d, 0, e)
+    base = region.movedim(dim, -1)  # [..., n]
+    values = src.movedim(dim, -1).unsqueeze(-2)  # [..., 1, m]
+    idx = index.movedim(dim, -1).unsqueeze(-2)
+    naming = idx == torch.arange(n, device=x.device).unsqueeze(-1)  # [..., n, m]: value j names position i
+    named = naming.any(-1)
+    if reduce == "assign":
+        m = extent[dim]
+        last = torch.where(naming, torch.arange(m, device=x.device), -1).amax(-1)  # [..., n]
+        combined = torch.gather(values.squeeze(-2), -1, last.clamp(min=0))
+    elif reduce in ("amax", "amin"):
+        # integers: the row's least (greatest) value fills the others, no larger than any named
+        fill = _SCATTER_REDUCTIONS[reduce] if x.is_floating_point() else (
+            values.amin(-1, keepdim=True) if reduce == "amax" else values.amax(-1, keepdim=True))
+        picked = torch.where(naming, values, fill)
+        combined = picked.amax(-1) if reduce == "amax" else picked.amin(-1)
+        if include_self:
+            combined = torch.maximum(base, combined) if reduce == "amax" else torch.minimum(base, combined)
+    else:
+        picked = torch.where(naming, values, _SCATTER_REDUCTIONS[reduce])
+        combined = picked.prod(-1) if reduce == "prod" else picked.sum(-1, dtype=x.dtype)
+        if include_self:
+            combined = base * combined if reduce == "prod" else base + combined
+        if reduce == "mean":
+            combined = combined / (naming.sum(-1) + int(include_self))
+    out = torch.where(named, combined, base).movedim(-1, dim)
+    partial = [d for d, e in enumerate(extent) if d != dim and e < x.shape[d]]
+    if partial:  # the rows past the index's extent keep x
+        pads = [p for d in reversed(range(x.dim())) for p in (0, x.shape[d] - out.shape[d])]
+        inside = torch.ones((), dtype=torch.bool, device=x.device)
+        for d in partial:
+            inside = inside & (torch.arange(x.shape[d], device=x.device) < extent[d]).reshape(
+                [-1] + [1] * (x.dim() - 1 - d))
+        out = torch.where(inside, aten.constant_pad_nd(out, pads, 0), x)
+    if x.is_floating_point():
+        outside = ((index < 0) | (index >= n)).any()
+        out = torch.where(outside, torch.full((), math.nan, dtype=x.dtype, device=x.device), out)
+    return out
+
+
+def _scatter_many(x, dim, index, src):
+    """``scatter`` where a row's index names several positions, or reads part of a larger
+    source (one each, of the index's shape: from_fx's pointwise form)."""
+    one_per_row = index.dim() == x.dim() and index.shape[dim] == 1 and all(
+        i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != dim % max(x.dim(), 1))
+    if one_per_row and (not isinstance(src, torch.Tensor) or src.shape == index.shape):
+        return NotImplemented
+    return _scattered(x, dim, index, src, "assign")
+
+
+_SCATTER_NAMES = {"add": "sum", "multiply": "prod"}  # scatter's reduce= as scatter_reduce names it
+
+
+def _scatter_reducing(x, dim, index, src, reduce):
+    return _scattered(x, dim, index, src, _SCATTER_NAMES[reduce])
+
+
+def _scatter_add(x, dim, index, src):
+    return _scattered(x, dim, index, src, "sum")
+
+
+def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
+    return _scattered(x, dim, index, src, reduce, include_self)
+
+
+def _index_reduce(x, dim, index, source, reduce, include_self=True):
+    """``index_reduce``: ``scatter_reduce`` with the index repeated along the other dims."""
+    if index.dim() != 1:
+        return NotImplemented
+    if x.dim() == 0:  # a scalar: its one position
+        made = _index_reduce(x.reshape(1), 0, index, source.reshape(1), reduce, include_self)
+        return made if made is NotImplemented else made.reshape(())
+    dim %= x.dim()
+    spread = index.reshape([1] * dim + [-1] + [1] * (source.dim() - dim - 1)).expand(source.shape)
+    return _scattered(x, dim, spread, source, reduce, include_self)
+
+
+def _put(x, index, source, accumulate=False):
+    """``put``: ``index_put`` along the flattened tensor."""
+    made = _index_put_at_many(x.reshape(-1), [index.reshape(-1)], source.reshape(-1), accumulate)
+    return made if made is NotImplemented else made.reshape(x.shape)
+
+
+def _masked_scatter(x, mask, source):
+    """``masked_scatter``: where the mask holds, the next value of ``source`` in order,
+    each position reading the one its count of earlier held places names (a prefix sum)."""
+    held = torch.broadcast_to(mask, x.shape).reshape(-1)
+    if x.numel() ** 2 > CUMSUM_WORK or x.numel() == 0:
+        return NotImplemented
+    count = _cumsum_as_row_sums(held, 0)
+    picked = source.reshape(-1)[(count - 1).clamp(min=0, max=max(source.numel() - 1, 0))]
+    return torch.where(held, picked.to(x.dtype), x.reshape(-1)).reshape(x.shape)
+
+
 def _copy_of(view):
     """``<view>_copy``: the view, then a contiguous copy of it (no memory shared)."""
     def copy(x, *args, **kwargs):
@@ -460,5 +586,9 @@ ADDED = {
     aten.as_strided_copy.default: _copy_of(torch.as_strided),
     aten.index_put.default: _index_put_at_many, aten.index_put_.default: _index_put_in_place_at_many,
     aten.histc.default: _histc,
+    aten.scatter.src: _scatter_many, aten.scatter.value: _scatter_many,
+    aten.scatter.reduce: _scatter_reducing, aten.scatter.value_reduce: _scatter_reducing,
+    aten.scatter_add.default: _scatter_add, aten.scatter_reduce.two: _scatter_reduce,
+    aten.index_reduce.default: _index_reduce, aten.put.default: _put, aten.masked_scatter.default: _masked_scatter,
     aten.topk.default: _topk,
 }

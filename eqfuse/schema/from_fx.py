@@ -1420,7 +1420,8 @@ def _scatter(tr, node, base, dim, index, src, reduce=None):
     dim = _one_per_row(base, index, dim)
     shape, dt = _out(node)
     if reduce is not None or dim is None:
-        raise Unsupported("scatter with more than one index per row (an indirect store has no kernel form yet)")
+        raise Unsupported("scatter with more than one index per row, past CUMSUM_WORK comparisons of positions "
+                          "with indices (frontend/decompose.py), or of bools")
     if isinstance(src, (BufferView, Computed)) and tuple(src.shape) != tuple(index.shape):
         raise Unsupported("scatter of a source larger than its index")
     value = tr.operand(src, shape, dt)
