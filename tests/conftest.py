@@ -20,6 +20,18 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 
+@torch.library.custom_op("eqfuse_tests::sorted_along", mutates_args=())
+def sorted_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The tests' eager step: an op eqfuse has no kernel form for, and never will (a custom
+    op, opaque to it), which sorts ``x`` along ``dim``."""
+    return torch.sort(x, dim).values.contiguous()
+
+
+@sorted_along.register_fake
+def _(x, dim):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

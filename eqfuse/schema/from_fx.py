@@ -231,7 +231,7 @@ class Translator:
             return
         try:
             if handler is None:
-                raise Unsupported(f"{_op_name(node.target)} has no kernel form in eqfuse yet")
+                raise Unsupported(_no_kernel_form(node.target))
             _check_kernel_operands(node)
             if isinstance(out, torch.Tensor):
                 self._dtype(out)
@@ -554,6 +554,18 @@ class _Opaque:
     name: str
     shape: tuple = ()
     dtype: str = "opaque"
+
+
+def _no_kernel_form(target) -> str:
+    """Why an op no handler takes runs in eager: it has no kernel form, or has one only
+    within the bounds of its decomposition, which its arguments are outside."""
+    from ..frontend.decompose import ADDED
+
+    if target in ADDED:
+        return (f"{_op_name(target)} is kernels only within its decomposition's bounds (frontend/decompose.py: "
+                f"CUMSUM_WORK comparisons, integers whose order of ties is open, or a case left to ATen), "
+                f"and these arguments are outside them")
+    return f"{_op_name(target)} has no kernel form in eqfuse yet"
 
 
 def _op_name(target) -> str:
