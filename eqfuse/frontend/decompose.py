@@ -530,6 +530,7 @@ def _histc(x, bins=100, min=0, max=0):
     value = x.reshape(-1)
     value = value if value.is_floating_point() else value.to(torch.float32)
     inside = (value >= min) & (value <= max)
+    value = torch.where(inside, value, min)  # NaN and infinities are in no bin, and no integer
     which = ((value - min) * bins / (max - min)).floor().to(torch.int64)
     which = torch.where(value == max, bins - 1, which)
     falls = (which.unsqueeze(0) == torch.arange(bins, device=x.device).unsqueeze(1)) & inside.unsqueeze(0)
