@@ -496,6 +496,23 @@ def test_scatters_with_several_values_per_position_are_reductions_over_the_index
     torch.testing.assert_close(c(x, src), fn(x, src), equal_nan=True)
 
 
+@pytest.mark.parametrize("offset,dim1,dim2", [(0, 0, 1), (1, 0, 1), (-2, 0, 1), (0, 2, 0), (1, -1, 1)])
+def test_a_diagonal_scatter_reads_each_diagonal_element_in_place(offset, dim1, dim2):
+    """diagonal_scatter (frontend/decompose.py): src on the diagonal, each place reading
+    its element, x elsewhere; one kernel, eager's values and special values."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 3)
+    x[0, 0, 0], x[1, 2, 0] = -0.0, float("inf")
+    src = torch.randn(x.diagonal(offset, dim1, dim2).shape)
+    src.view(-1)[:2] = torch.tensor([float("nan"), -0.0])
+    fn = lambda x, s: torch.diagonal_scatter(x, s, offset, dim1, dim2)  # noqa: E731
+    c = eqfuse.compile(fn, (x, src))
+    assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
+    got, want = c(x, src), fn(x, src)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(got.signbit(), want.signbit())
+
+
 @pytest.mark.parametrize("reduce", ["sum", "amax", "amin"])
 def test_an_integer_scatter_reduce_is_exact(reduce):
     fn = lambda x, s: x.scatter_reduce(0, _IDX, s, reduce, include_self=False)  # noqa: E731

@@ -663,6 +663,26 @@ def _masked_scatter(x, mask, source):
     return torch.where(held, picked.to(x.dtype), x.reshape(-1)).reshape(x.shape)
 
 
+def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    """``diagonal_scatter``: ``src`` on the diagonal (``j - i == offset`` over ``dim1`` and
+    ``dim2``), each place reading its diagonal element (an indexed read), ``x`` elsewhere."""
+    if x.dim() < 2:
+        return NotImplemented
+    dim1, dim2 = dim1 % x.dim(), dim2 % x.dim()
+    moved = x.movedim((dim1, dim2), (-2, -1))  # [..., n1, n2]
+    n1, n2 = moved.shape[-2:]
+    i = torch.arange(n1, device=x.device).unsqueeze(-1)
+    j = torch.arange(n2, device=x.device)
+    on = (j - i) == offset
+    length = src.shape[-1]
+    if length == 0:
+        return x.clone()
+    # each place's element along the diagonal (its row, or its column below the main one)
+    place = torch.broadcast_to(i if offset >= 0 else j, (n1, n2)).clamp(max=length - 1)
+    values = src.index_select(-1, place.reshape(-1)).reshape(tuple(src.shape[:-1]) + (n1, n2))
+    return torch.where(on, values.to(x.dtype), moved).movedim((-2, -1), (dim1, dim2))
+
+
 def _copy_of(view):
     """``<view>_copy``: the view, then a contiguous copy of it (no memory shared)."""
     def copy(x, *args, **kwargs):
@@ -696,6 +716,7 @@ ADDED = {
     aten.scatter.reduce: _scatter_reducing, aten.scatter.value_reduce: _scatter_reducing,
     aten.scatter_add.default: _scatter_add, aten.scatter_reduce.two: _scatter_reduce,
     aten.index_reduce.default: _index_reduce, aten.put.default: _put, aten.masked_scatter.default: _masked_scatter,
+    aten.diagonal_scatter.default: _diagonal_scatter,
     aten.topk.default: _topk,
     aten.sort.default: _sort, aten.sort.stable: _sort_stable, aten.kthvalue.default: _kthvalue,
     aten.median.default: _median, aten.median.dim: _median_dim,
