@@ -13,7 +13,10 @@ such as one whose output depends on its data). Each sample is otherwise ``kernel
 (eqfuse generated at least one kernel), ``no work`` (nothing to compute: the compiled
 graph returns views of its inputs, or tensors with no elements) or ``eager`` (the graph
 runs in eager, with its reason). Ops whose eager result differs between two calls (random ops), or holds
-uninitialised memory, are compared on dtype and shape only. The coverage is the
+uninitialised memory, are compared on dtype and shape only. Each other sample is then
+called again through the same compiled function with its values shuffled, with a NaN in
+each float input, and with non-contiguous inputs (``VARIANTS``), each held against eager
+alike (a variant eager refuses is not held). The coverage is the
 share of ops with a sample compiled (kernels or no work, no eager step); the kernel
 compiler's coverage that of the ops a kernel compiler is for (``NOT_KERNEL_OPS``).
 ``tests/test_opinfo.py`` runs a seeded share of this in the suite.
@@ -121,7 +124,63 @@ def wrong(got, want, inputs_after, inputs_before, inputs_eager, deterministic: b
     return None
 
 
-def run_sample(call, tensors, uninitialised: bool = False) -> dict:
+def _with_nan(tensors):
+    """Each float input with one NaN, in its middle element."""
+    out = _clones(tensors)
+    for t in out:
+        if t.is_floating_point() and t.numel():
+            t.view(-1)[t.numel() // 2] = float("nan")
+    return out
+
+
+def _permuted(tensors):
+    """Each input's values in another order (a seeded shuffle): the compiled graph must
+    not hold the values it was compiled on."""
+    g = torch.Generator().manual_seed(0)
+    return [t.reshape(-1)[torch.randperm(t.numel(), generator=g)].reshape(t.shape) if t.numel() > 1 else t.clone()
+            for t in tensors]
+
+
+def _spread(tensors):
+    """Each input of two or more elements as a non-contiguous view of the same values
+    (every other element of a buffer twice its size)."""
+    out = []
+    for t in tensors:
+        if t.dim() == 0 or t.numel() < 2:
+            out.append(t.clone())
+            continue
+        wide = torch.zeros(tuple(t.shape) + (2,), dtype=t.dtype)
+        wide[..., 0] = t
+        out.append(wide[..., 0])
+    return out
+
+
+# The inputs each sample is called with again, after its own, through the same compiled
+# function: values it was not compiled on, a NaN, and strides it was not (compiled anew)
+VARIANTS = {"permuted values": _permuted, "with a NaN": _with_nan, "non-contiguous": _spread}
+
+
+def _variant_problem(compiled, call, tensors, deterministic: bool) -> str | None:
+    """The first input variant whose compiled call differs from eager's, in words."""
+    for name, make in VARIANTS.items():
+        varied = make(tensors)
+        inputs_eager = _clones(varied) if name != "non-contiguous" else _spread(varied)
+        try:
+            want = call(*inputs_eager)
+        except Exception:  # noqa: BLE001,PERF203 - eager refuses such inputs (an index out of range): nothing to hold
+            continue
+        inputs = _clones(varied) if name != "non-contiguous" else _spread(varied)
+        try:
+            got = compiled(*inputs)
+        except Exception as e:  # noqa: BLE001 - eager ran, so the compiled call must
+            return f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        problem = wrong(got, want, inputs, varied, inputs_eager, deterministic)
+        if problem:
+            return f"{name}: {problem}"
+    return None
+
+
+def run_sample(call, tensors, uninitialised: bool = False, variants: bool = True) -> dict:
     inputs_eager = _clones(tensors)
     want = call(*inputs_eager)
     again = call(*_clones(tensors))
@@ -135,6 +194,8 @@ def run_sample(call, tensors, uninitialised: bool = False) -> dict:
         outcome = "refused" if isinstance(e, eqfuse.EqfuseError) else "error"
         return {"outcome": outcome, "why": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
     problem = wrong(got, want, inputs, tensors, inputs_eager, deterministic)
+    if problem is None and variants and deterministic:
+        problem = _variant_problem(compiled, call, tensors, deterministic)
     if problem:
         return {"outcome": "wrong", "why": problem}
     wholly_eager = any(f.node == "<graph>" for f in compiled.fallbacks)  # a first launch that failed, too
@@ -146,7 +207,7 @@ def run_sample(call, tensors, uninitialised: bool = False) -> dict:
     return {"outcome": "eager", "why": compiled.fallbacks[0].reason}
 
 
-def sweep(ops, dtypes, count: int, log=print) -> list[dict]:
+def sweep(ops, dtypes, count: int, log=print, variants: bool = True) -> list[dict]:
     rows = []
     for op in ops:
         for dtype in dtypes:
@@ -158,7 +219,10 @@ def sweep(ops, dtypes, count: int, log=print) -> list[dict]:
             for k, (call, tensors) in enumerate(cases):
                 t0 = time.perf_counter()
                 try:
-                    row = run_sample(call, tensors, op.name in UNINITIALISED)
+                    # (not where a kernel compiler does not go: eager's linalg.eig on a NaN
+                    # kills the process in MKL, torch 2.13 on the CPU)
+                    row = run_sample(call, tensors, op.name in UNINITIALISED,
+                                     variants and not NOT_KERNEL_OPS.match(op.name))
                 except Exception as e:  # noqa: BLE001 - eager itself refused the sample
                     row = {"outcome": "eager-error", "why": f"{type(e).__name__}"}
                 row.update(op=op.name, variant=op.variant_test_name, dtype=str(dtype)[6:], sample=k,
