@@ -1,7 +1,9 @@
 """PyTorch's OpInfo database through ``eqfuse.compile`` (benchmarks/opinfo_sweep.py says
 what counts as wrong): every op's first sample in float32, and a seeded quarter of the
 ops in float16, each no wrong result and no error other than eqfuse's own clear refusal
-(a function it cannot trace). The whole sweep, with the coverage, is the benchmark's."""
+(a function it cannot trace), on its own inputs and then, through the same compiled
+function, on them shuffled, with a NaN and non-contiguous (``opinfo_sweep.VARIANTS``).
+The whole sweep, with the coverage, is the benchmark's."""
 
 import os
 import random
