@@ -469,6 +469,9 @@ SCATTERS = {
                                                      include_self=False),
     "index_reduce of a scalar": lambda x, s: x[0, 0].index_reduce(0, torch.tensor([0]), s[0, 0], "amin"),
     "scatter_add of a scalar": lambda x, s: x[1, 2].scatter_add(0, torch.tensor(0), s[2, 2]),
+    "put at one position": lambda x, s: x.put(torch.tensor([3]), s.reshape(-1)[:1]),
+    "as_strided_scatter": lambda x, s: torch.as_strided_scatter(x, s[:2, :2], (2, 2), (5, 2), 1),
+    "as_strided_scatter, overlapping": lambda x, s: torch.as_strided_scatter(x, s[:2, :2], (2, 2), (1, 1), 3),
     "put": lambda x, s: x.put(torch.tensor([0, 7, -1, 7]), s.reshape(-1)[:4]),
     "put accumulating": lambda x, s: x.put(torch.tensor([0, 7, -1, 7]), s.reshape(-1)[:4], accumulate=True),
     "masked_scatter": lambda x, s: x.masked_scatter(x > 0, s.reshape(-1).repeat(2)),
@@ -486,9 +489,10 @@ def _scatter_inputs(dtype=torch.float32):
 
 @pytest.mark.parametrize("name", list(SCATTERS))
 def test_scatters_with_several_values_per_position_are_reductions_over_the_index(name):
-    """scatter, scatter_add, scatter_reduce, index_reduce, put and masked_scatter where
-    several values name one position (frontend/decompose.py): kernels only, eager's values,
-    special values included (NaN carried by a maximum, -0.0 kept where nothing lands)."""
+    """scatter, scatter_add, scatter_reduce, index_reduce, put, as_strided_scatter and
+    masked_scatter where several values name one position (frontend/decompose.py): kernels
+    only, eager's values, special values included (NaN carried by a maximum, -0.0 kept
+    where nothing lands)."""
     fn = SCATTERS[name]
     x, src = _scatter_inputs()
     c = eqfuse.compile(fn, (x, src))

@@ -647,8 +647,12 @@ def _index_reduce(x, dim, index, source, reduce, include_self=True):
 
 
 def _put(x, index, source, accumulate=False):
-    """``put``: ``index_put`` along the flattened tensor."""
-    made = _index_put_at_many(x.reshape(-1), [index.reshape(-1)], source.reshape(-1), accumulate)
+    """``put``: ``index_put`` along the flattened tensor (at one position, from_fx's
+    pointwise write)."""
+    flat, where, values = x.reshape(-1), [index.reshape(-1)], source.reshape(-1)
+    made = _index_put_at_many(flat, where, values, accumulate)
+    if made is NotImplemented and index.numel() == 1:
+        made = aten.index_put(flat, where, values, accumulate)
     return made if made is NotImplemented else made.reshape(x.shape)
 
 
@@ -681,6 +685,18 @@ def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
     place = torch.broadcast_to(i if offset >= 0 else j, (n1, n2)).clamp(max=length - 1)
     values = src.index_select(-1, place.reshape(-1)).reshape(tuple(src.shape[:-1]) + (n1, n2))
     return torch.where(on, values.to(x.dtype), moved).movedim((-2, -1), (dim1, dim2))
+
+
+def _as_strided_scatter(x, src, size, stride, storage_offset=None):
+    """``as_strided_scatter`` of a contiguous ``x``: ``put`` at the view's positions in
+    ``x``'s elements (where the view meets a position twice, the later element, as eager's
+    copy into it leaves it)."""
+    if not x.is_contiguous() or len(size) != len(stride) or any(type(n) is not int for n in (*size, *stride)):
+        return NotImplemented
+    positions = torch.full((), storage_offset or 0, dtype=torch.int64, device=x.device)
+    for d, (n, step) in enumerate(zip(size, stride)):
+        positions = positions + (torch.arange(n, device=x.device) * step).reshape([n] + [1] * (len(size) - 1 - d))
+    return _put(x, positions, src)
 
 
 def _copy_of(view):
@@ -716,7 +732,7 @@ ADDED = {
     aten.scatter.reduce: _scatter_reducing, aten.scatter.value_reduce: _scatter_reducing,
     aten.scatter_add.default: _scatter_add, aten.scatter_reduce.two: _scatter_reduce,
     aten.index_reduce.default: _index_reduce, aten.put.default: _put, aten.masked_scatter.default: _masked_scatter,
-    aten.diagonal_scatter.default: _diagonal_scatter,
+    aten.diagonal_scatter.default: _diagonal_scatter, aten.as_strided_scatter.default: _as_strided_scatter,
     aten.topk.default: _topk,
     aten.sort.default: _sort, aten.sort.stable: _sort_stable, aten.kthvalue.default: _kthvalue,
     aten.median.default: _median, aten.median.dim: _median_dim,
