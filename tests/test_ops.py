@@ -615,6 +615,10 @@ POOLS = {
     "max tiles": lambda x: F.max_pool2d(x, 2),
     "max with indices": lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True),
     "max with indices, uneven": lambda x: F.max_pool2d(x, (2, 3), (1, 2), return_indices=True),
+    "max 3-d with indices": lambda x: F.max_pool3d(x[..., :8].unsqueeze(0), 2, return_indices=True),
+    "max 3-d padded": lambda x: F.max_pool3d(x.unsqueeze(0), (3, 2, 3), (1, 2, 2), (1, 0, 1), return_indices=True),
+    "adaptive max": lambda x: F.adaptive_max_pool2d(x[..., :8], (3, 4), return_indices=True),
+    "adaptive max 3-d": lambda x: F.adaptive_max_pool3d(x[:, :2, :8, :8].unsqueeze(0), (1, 2, 4), return_indices=True),
 }
 
 

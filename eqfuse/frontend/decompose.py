@@ -447,28 +447,47 @@ def _adaptive_avg_pool(x, output_size):
     return _avg_pool(x, kernel, kernel, [0] * len(kernel))
 
 
-def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
-    """Max pooling and the flat index in its plane of each window's first largest
-    element (NaN the largest), over the windows' strided views in order."""
-    kernel = _each(kernel_size, 2)
-    stride, padding = (_each(stride, 2) if stride else kernel), _each(padding, 2)
+def _max_pool_with_indices(x, kernel, stride, padding, dilation=(1,), ceil_mode=False):
+    """Max pooling and the flat index in its plane (or volume) of each window's first
+    largest element (NaN the largest), over the windows' strided views in order."""
+    dims = len(kernel)
     if ceil_mode or any(d != 1 for d in dilation) or not x.is_floating_point():
         return NotImplemented
     views, out = _windows(x, kernel, stride, padding, float("-inf"))
     if views is None:
         return NotImplemented
-    width = x.shape[-1]
-    rows = torch.arange(out[0], device=x.device).unsqueeze(1) * stride[0] - padding[0]
-    cols = torch.arange(out[1], device=x.device) * stride[1] - padding[1]
+    spatial = x.shape[-dims:]
+    starts = [(torch.arange(o, device=x.device) * s - p).reshape([o] + [1] * (dims - 1 - d))
+              for d, (o, s, p) in enumerate(zip(out, stride, padding))]
     best, where = None, None
-    for (i, j), view in views:
-        here = (rows + i) * width + (cols + j)
+    for offsets, view in views:
+        here = 0
+        for d, (first, o) in enumerate(zip(starts, offsets)):  # the flat index, dim by dim
+            here = here * spatial[d] + (first + o)
         if best is None:
-            best, where = view, here + torch.zeros(view.shape, dtype=here.dtype, device=x.device)
+            best, where = view, here + torch.zeros(view.shape, dtype=torch.int64, device=x.device)
             continue
         better = (view > best) | (view.isnan() & ~best.isnan())
         best, where = torch.where(better, view, best), torch.where(better, here, where)
     return best, where
+
+
+def _max_pool_with_indices_of(dims: int):
+    def pool(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+        kernel = _each(kernel_size, dims)
+        return _max_pool_with_indices(x, kernel, _each(stride, dims) if stride else kernel, _each(padding, dims),
+                                      dilation, ceil_mode)
+    return pool
+
+
+def _adaptive_max_pool(x, output_size):
+    """Adaptive max pooling where each output's window is the same (the input a multiple
+    of the output): max pooling with that window as its stride."""
+    spatial = x.shape[-len(output_size):]
+    if any(o == 0 or n % o for n, o in zip(spatial, output_size)):
+        return NotImplemented
+    kernel = [n // o for n, o in zip(spatial, output_size)]
+    return _max_pool_with_indices(x, kernel, kernel, [0] * len(kernel))
 
 
 def _index_put_at_many(x, indices, values, accumulate=False):
@@ -722,7 +741,9 @@ ADDED = {
     aten.avg_pool3d.default: _avg_pool_of(3),
     aten._adaptive_avg_pool2d.default: _adaptive_avg_pool, aten._adaptive_avg_pool3d.default: _adaptive_avg_pool,
     aten.adaptive_avg_pool1d.default: _adaptive_avg_pool,
-    aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
+    aten.max_pool2d_with_indices.default: _max_pool_with_indices_of(2),
+    aten.max_pool3d_with_indices.default: _max_pool_with_indices_of(3),
+    aten.adaptive_max_pool2d.default: _adaptive_max_pool, aten.adaptive_max_pool3d.default: _adaptive_max_pool,
     aten.permute_copy.default: _copy_of(torch.permute), aten.view_copy.default: _copy_of(torch.Tensor.view),
     aten.narrow_copy.default: _copy_of(torch.narrow), aten.unbind_copy.int: _copy_of(torch.unbind),
     aten.as_strided_copy.default: _copy_of(torch.as_strided),
