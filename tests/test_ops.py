@@ -453,6 +453,41 @@ def test_other_convolutions_stay_eager_with_their_reason():
         torch.testing.assert_close(c(x, w), fn(x, w))
 
 
+_B1, _B2 = torch.randn(3, 5, 4, device="cpu"), torch.randn(3, 4, 6, device="cpu")
+DECOMPOSED = {  # function, inputs from (x, y) of shape [5, 6] with special values, exact
+    "round to 3 decimals": (lambda x, y: torch.round(x, decimals=3), True),
+    "round to -1 decimals": (lambda x, y: torch.round(x * 100, decimals=-1), True),
+    "angle": (lambda x, y: torch.angle(x), True),
+    "angle of integers": (lambda x, y: torch.angle((y * 4).int()), True),
+    "addbmm": (lambda x, y: torch.addbmm(x, _B1.to(x.device), _B2.to(x.device)), False),
+    "addbmm scaled": (lambda x, y: torch.addbmm(x, _B1.to(x.device), _B2.to(x.device), beta=0.5, alpha=2), False),
+    "addbmm, beta 0": (lambda x, y: torch.addbmm(x, _B1.to(x.device), _B2.to(x.device), beta=0), False),
+    "dist": (lambda x, y: torch.dist(y, x.nan_to_num(0, 0, 0)), False),
+    "dist, p inf": (lambda x, y: torch.dist(y, x, float("inf")), False),
+    "dist, p 1": (lambda x, y: torch.dist(y, x[:1].nan_to_num(0, 0, 0), 1), False),
+}
+
+
+@pytest.mark.parametrize("name", list(DECOMPOSED))
+def test_ops_torch_computes_in_other_terms_are_kernels(name):
+    """round to decimals (ATen's own steps), angle of reals, addbmm (one product over the
+    batch and the shared dim), dist (a vector norm): kernels, no eager step; eager's
+    values, special values included (addbmm with beta 0 reads no NaN of its input)."""
+    fn, exact = DECOMPOSED[name]
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 6), torch.randn(5, 6)
+    x.view(-1)[:5] = torch.tensor([float("nan"), float("inf"), -0.0, 1.2345, -1e-4])
+    c = eqfuse.compile(fn, (x, y))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x, y), fn(x, y)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got, want, equal_nan=True, **tol)
+    if exact:  # signed zeros too (a NaN's sign is the device's arithmetic's)
+        numbers = ~want.isnan()
+        assert torch.equal(got.signbit()[numbers], want.signbit()[numbers])
+
+
 _IDX = torch.tensor([[0, 1, 2, 3, 0], [0, 1, 2, 3, 1], [3, 3, 0, 3, 1]])  # duplicates along dim 0
 SCATTERS = {
     "scatter_add": lambda x, s: x.scatter_add(0, _IDX, s),

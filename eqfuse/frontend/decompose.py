@@ -718,6 +718,45 @@ def _as_strided_scatter(x, src, size, stride, storage_offset=None):
     return _put(x, positions, src)
 
 
+def _round_decimals(x, *, decimals):
+    """``round(x, decimals=d)`` as ATen computes it: by the power of ten in ``x``'s dtype,
+    multiplied (d > 0) or divided (d < 0), rounded half to even, then undone (float32:
+    narrower dtypes round there in their own width)."""
+    if x.dtype != torch.float32:
+        return NotImplemented
+    scale = float(torch.tensor(10.0 ** abs(decimals), dtype=torch.float32))
+    return torch.round(x / scale) * scale if decimals < 0 else torch.round(x * scale) / scale
+
+
+def _angle(x):
+    """``angle`` of real numbers: pi below zero (not at -0.0), NaN at NaN, else 0."""
+    if x.is_complex():
+        return NotImplemented
+    real = x if x.is_floating_point() else x.to(torch.get_default_dtype())
+    if real.dtype == torch.bool:
+        real = real.to(torch.get_default_dtype())
+    pi = torch.where(real < 0, math.pi, 0.0).to(real.dtype)
+    return torch.where(real.isnan(), real, pi)
+
+
+def _addbmm(x, batch1, batch2, *, beta=1, alpha=1):
+    """``addbmm``: the sum of the batch's products is one product over the batch and the
+    shared dim together; ``beta * x`` added (nothing of ``x``, NaN included, where beta is 0)."""
+    if not x.is_floating_point():
+        return NotImplemented
+    product = batch1.transpose(0, 1).reshape(batch1.shape[1], -1) @ batch2.reshape(-1, batch2.shape[2])
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product
+    return (x * beta if beta != 1 else x) + product
+
+
+def _dist(x, other, p=2):
+    """``dist``: the p-norm of the difference (torch's vector norm, decomposed)."""
+    return torch.linalg.vector_norm(x - other, p)
+
+
 def _copy_of(view):
     """``<view>_copy``: the view, then a contiguous copy of it (no memory shared)."""
     def copy(x, *args, **kwargs):
@@ -753,6 +792,8 @@ ADDED = {
     aten.scatter.reduce: _scatter_reducing, aten.scatter.value_reduce: _scatter_reducing,
     aten.scatter_add.default: _scatter_add, aten.scatter_reduce.two: _scatter_reduce,
     aten.index_reduce.default: _index_reduce, aten.put.default: _put, aten.masked_scatter.default: _masked_scatter,
+    aten.round.decimals: _round_decimals, aten.angle.default: _angle, aten.addbmm.default: _addbmm,
+    aten.dist.default: _dist,
     aten.diagonal_scatter.default: _diagonal_scatter, aten.as_strided_scatter.default: _as_strided_scatter,
     aten.topk.default: _topk,
     aten.sort.default: _sort, aten.sort.stable: _sort_stable, aten.kthvalue.default: _kthvalue,
