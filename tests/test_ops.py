@@ -561,6 +561,18 @@ def test_an_integer_scatter_reduce_is_exact(reduce):
     assert torch.equal(c(x, src), fn(x, src))
 
 
+def test_a_masked_scatter_short_of_values_gives_nan_where_eager_raises():
+    fn = lambda x, m, s: x.masked_scatter(m, s)  # noqa: E731
+    x, source = torch.randn(3, 4), torch.randn(5)
+    few, many = torch.zeros(3, 4, dtype=torch.bool), torch.ones(3, 4, dtype=torch.bool)
+    few[0, :3] = True
+    c = eqfuse.compile(fn, (x, few, source))
+    assert c.kernels and not c.fallbacks, c.explain()
+    with pytest.raises(RuntimeError):
+        fn(x, many, source)
+    assert c(x, many, source).isnan().all()
+
+
 def test_a_scatter_index_outside_the_tensor_gives_nan_where_eager_raises():
     fn = lambda x, s, i: x.scatter_add(0, i, s)  # noqa: E731
     x, src = _scatter_inputs()

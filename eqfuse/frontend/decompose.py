@@ -677,13 +677,18 @@ def _put(x, index, source, accumulate=False):
 
 def _masked_scatter(x, mask, source):
     """``masked_scatter``: where the mask holds, the next value of ``source`` in order,
-    each position reading the one its count of earlier held places names (a prefix sum)."""
+    each position reading the one its count of earlier held places names (a prefix sum);
+    NaN throughout, for floats, where the mask holds more places than ``source`` has values."""
     held = torch.broadcast_to(mask, x.shape).reshape(-1)
     if x.numel() ** 2 > CUMSUM_WORK or x.numel() == 0:
         return NotImplemented
     count = _cumsum_as_row_sums(held, 0)
     picked = source.reshape(-1)[(count - 1).clamp(min=0, max=max(source.numel() - 1, 0))]
-    return torch.where(held, picked.to(x.dtype), x.reshape(-1)).reshape(x.shape)
+    out = torch.where(held, picked.to(x.dtype), x.reshape(-1)).reshape(x.shape)
+    if x.is_floating_point():  # more places than the source has values (eager raises): NaN
+        short = count[-1] > source.numel()
+        out = torch.where(short, torch.full((), math.nan, dtype=x.dtype, device=x.device), out)
+    return out
 
 
 def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
