@@ -666,6 +666,7 @@ POOLS = {
     "max 3-d padded": lambda x: F.max_pool3d(x.unsqueeze(0), (3, 2, 3), (1, 2, 2), (1, 0, 1), return_indices=True),
     "adaptive max": lambda x: F.adaptive_max_pool2d(x[..., :8], (3, 4), return_indices=True),
     "adaptive max 3-d": lambda x: F.adaptive_max_pool3d(x[:, :2, :8, :8].unsqueeze(0), (1, 2, 4), return_indices=True),
+    "adaptive max to its own size": lambda x: F.adaptive_max_pool2d(x, (9, 10), return_indices=True),
 }
 
 
@@ -683,6 +684,7 @@ def test_pooling_over_windows_is_a_kernel(name):
     got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
+        assert g.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # a result of its own
         torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-6)
 
 

@@ -464,8 +464,8 @@ def _max_pool_with_indices(x, kernel, stride, padding, dilation=(1,), ceil_mode=
         here = 0
         for d, (first, o) in enumerate(zip(starts, offsets)):  # the flat index, dim by dim
             here = here * spatial[d] + (first + o)
-        if best is None:
-            best, where = view, here + torch.zeros(view.shape, dtype=torch.int64, device=x.device)
+        if best is None:  # (a copy: one window of one element would hand back the input itself)
+            best, where = view.clone(), here + torch.zeros(view.shape, dtype=torch.int64, device=x.device)
             continue
         better = (view > best) | (view.isnan() & ~best.isnan())
         best, where = torch.where(better, view, best), torch.where(better, here, where)
