@@ -465,14 +465,19 @@ DECOMPOSED = {  # function, inputs from (x, y) of shape [5, 6] with special valu
     "dist": (lambda x, y: torch.dist(y, x.nan_to_num(0, 0, 0)), False),
     "dist, p inf": (lambda x, y: torch.dist(y, x, float("inf")), False),
     "dist, p 1": (lambda x, y: torch.dist(y, x[:1].nan_to_num(0, 0, 0), 1), False),
+    "cdist": (lambda x, y: torch.cdist(x, y), False),
+    "cdist, p 1": (lambda x, y: torch.cdist(x.unsqueeze(0), y[:3].unsqueeze(0), p=1), False),
+    "pdist": (lambda x, y: F.pdist(x), False),
+    "pdist, p 3": (lambda x, y: F.pdist(y, p=3), False),
 }
 
 
 @pytest.mark.parametrize("name", list(DECOMPOSED))
 def test_ops_torch_computes_in_other_terms_are_kernels(name):
     """round to decimals (ATen's own steps), angle of reals, addbmm (one product over the
-    batch and the shared dim), dist (a vector norm): kernels, no eager step; eager's
-    values, special values included (addbmm with beta 0 reads no NaN of its input)."""
+    batch and the shared dim), dist, cdist and pdist (vector norms of differences):
+    kernels, no eager step; eager's values, special values included (addbmm with beta 0
+    reads no NaN of its input)."""
     fn, exact = DECOMPOSED[name]
     torch.manual_seed(0)
     x, y = torch.randn(5, 6), torch.randn(5, 6)
@@ -559,6 +564,14 @@ def test_an_integer_scatter_reduce_is_exact(reduce):
     c = eqfuse.compile(fn, (x, src))
     assert c.kernels and not c.fallbacks, c.explain()
     assert torch.equal(c(x, src), fn(x, src))
+
+
+def test_cdist_of_p_zero_or_infinite_stays_eager_with_its_reason():
+    x, y = torch.randn(4, 3), torch.randn(5, 3)
+    for p in (0.0, float("inf")):
+        c = eqfuse.compile(lambda x, y, p=p: torch.cdist(x, y, p=p), (x, y))
+        assert [f.op for f in c.fallbacks] == ["_cdist_forward"] and "bounds" in c.fallbacks[0].reason, c.explain()
+        torch.testing.assert_close(c(x, y), torch.cdist(x, y, p=p))
 
 
 def test_a_masked_scatter_short_of_values_gives_nan_where_eager_raises():
