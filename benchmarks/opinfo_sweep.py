@@ -164,12 +164,13 @@ def _variant_problem(compiled, call, tensors, deterministic: bool) -> str | None
     """The first input variant whose compiled call differs from eager's, in words."""
     for name, make in VARIANTS.items():
         varied = make(tensors)
-        inputs_eager = _clones(varied) if name != "non-contiguous" else _spread(varied)
+        copies = _spread if make is _spread else _clones  # (a clone of a spread view is contiguous)
+        inputs_eager = copies(varied)
         try:
             want = call(*inputs_eager)
         except Exception:  # noqa: BLE001,PERF203 - eager refuses such inputs (an index out of range): nothing to hold
             continue
-        inputs = _clones(varied) if name != "non-contiguous" else _spread(varied)
+        inputs = copies(varied)
         try:
             got = compiled(*inputs)
         except Exception as e:  # noqa: BLE001 - eager ran, so the compiled call must

@@ -437,14 +437,19 @@ def _tiles(x, kernel, stride, padding):
     return x.reshape(list(x.shape[:-dims]) + [m for n, k in zip(spatial, kernel) for m in (n // k, k)])
 
 
-def _adaptive_avg_pool(x, output_size):
-    """Adaptive average pooling where each output's window is the same (the input a
-    multiple of the output): average pooling with that window as its stride."""
+def _even_windows(x, output_size) -> list | None:
+    """Adaptive pooling's window where each output's is the same (the input a multiple of
+    the output), else None."""
     spatial = x.shape[-len(output_size):]
     if any(o == 0 or n % o for n, o in zip(spatial, output_size)):
-        return NotImplemented
-    kernel = [n // o for n, o in zip(spatial, output_size)]
-    return _avg_pool(x, kernel, kernel, [0] * len(kernel))
+        return None
+    return [n // o for n, o in zip(spatial, output_size)]
+
+
+def _adaptive_avg_pool(x, output_size):
+    """Adaptive average pooling with even windows: average pooling with the window as its stride."""
+    kernel = _even_windows(x, output_size)
+    return NotImplemented if kernel is None else _avg_pool(x, kernel, kernel, [0] * len(kernel))
 
 
 def _max_pool_with_indices(x, kernel, stride, padding, dilation=(1,), ceil_mode=False):
@@ -481,13 +486,17 @@ def _max_pool_with_indices_of(dims: int):
 
 
 def _adaptive_max_pool(x, output_size):
-    """Adaptive max pooling where each output's window is the same (the input a multiple
-    of the output): max pooling with that window as its stride."""
-    spatial = x.shape[-len(output_size):]
-    if any(o == 0 or n % o for n, o in zip(spatial, output_size)):
-        return NotImplemented
-    kernel = [n // o for n, o in zip(spatial, output_size)]
-    return _max_pool_with_indices(x, kernel, kernel, [0] * len(kernel))
+    """Adaptive max pooling with even windows: max pooling with the window as its stride."""
+    kernel = _even_windows(x, output_size)
+    return NotImplemented if kernel is None else _max_pool_with_indices(x, kernel, kernel, [0] * len(kernel))
+
+
+def _nan_where(wrong, out):
+    """``out``, NaN throughout where ``wrong`` (a 0-d bool: an argument eager raises on), for
+    floats: a kernel cannot raise."""
+    if not out.is_floating_point():
+        return out
+    return torch.where(wrong, torch.full((), math.nan, dtype=out.dtype, device=out.device), out)
 
 
 def _index_put_at_many(x, indices, values, accumulate=False):
@@ -525,10 +534,7 @@ def _index_put_at_many(x, indices, values, accumulate=False):
         taken = written.index_select(dim, last.clamp(min=0))
         here = (last >= 0).reshape([n] + [1] * (x.dim() - 1 - dim))
         out = torch.where(here, taken, x)
-    if x.is_floating_point():
-        outside = ((index < -n) | (index >= n)).any()
-        out = torch.where(outside, torch.full((), float("nan"), dtype=x.dtype, device=x.device), out)
-    return out
+    return _nan_where(((index < -n) | (index >= n)).any(), out)
 
 
 def _index_put_in_place_at_many(x, indices, values, accumulate=False):
@@ -622,10 +628,7 @@ def _scattered(x, dim, index, src, reduce: str, include_self: bool = True):
             inside = inside & (torch.arange(x.shape[d], device=x.device) < extent[d]).reshape(
                 [-1] + [1] * (x.dim() - 1 - d))
         out = torch.where(inside, aten.constant_pad_nd(out, pads, 0), x)
-    if x.is_floating_point():
-        outside = ((index < 0) | (index >= n)).any()
-        out = torch.where(outside, torch.full((), math.nan, dtype=x.dtype, device=x.device), out)
-    return out
+    return _nan_where(((index < 0) | (index >= n)).any(), out)
 
 
 def _scatter_many(x, dim, index, src):
@@ -685,10 +688,7 @@ def _masked_scatter(x, mask, source):
     count = _cumsum_as_row_sums(held, 0)
     picked = source.reshape(-1)[(count - 1).clamp(min=0, max=max(source.numel() - 1, 0))]
     out = torch.where(held, picked.to(x.dtype), x.reshape(-1)).reshape(x.shape)
-    if x.is_floating_point():  # more places than the source has values (eager raises): NaN
-        short = count[-1] > source.numel()
-        out = torch.where(short, torch.full((), math.nan, dtype=x.dtype, device=x.device), out)
-    return out
+    return _nan_where(count[-1] > source.numel(), out)  # more places than the source has values
 
 
 def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
@@ -738,8 +738,6 @@ def _angle(x):
     if x.is_complex():
         return NotImplemented
     real = x if x.is_floating_point() else x.to(torch.get_default_dtype())
-    if real.dtype == torch.bool:
-        real = real.to(torch.get_default_dtype())
     pi = torch.where(real < 0, math.pi, 0.0).to(real.dtype)
     return torch.where(real.isnan(), real, pi)
 

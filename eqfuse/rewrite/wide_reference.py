@@ -109,42 +109,38 @@ def _named(func, args, kwargs) -> dict:
     return named
 
 
-def _no_tensor(like):
-    return like.new_empty(0)
+def _bias(a):
+    """The call's additive bias or mask (``attn_bias``, the CPU kernel's ``attn_mask``),
+    None where it has none (a backward passes an empty tensor)."""
+    bias = a.get("attn_bias", a.get("attn_mask"))
+    return bias if bias is not None and bias.numel() else None
 
 
 # op -> its stand-in on the named arguments, returning what the op returns
-def _cudnn(a):
-    out, lse = attention(a["query"], a["key"], a["value"], a["attn_bias"], a["is_causal"], a["scale"], a["dropout_p"])
-    empty = _no_tensor(out)
-    return out, lse, empty, empty, 0, 0, empty, empty, empty
+def _attention(a):
+    return attention(a["query"], a["key"], a["value"], _bias(a), a["is_causal"], a["scale"], a["dropout_p"])
 
 
-def _flash(a):
-    out, lse = attention(a["query"], a["key"], a["value"], None, a["is_causal"], a["scale"], a["dropout_p"])
-    empty = _no_tensor(out)
+def _cudnn_or_flash(a):
+    out, lse = _attention(a)
+    empty = out.new_empty(0)
     return out, lse, empty, empty, 0, 0, empty, empty, empty
 
 
 def _efficient(a):
-    out, lse = attention(a["query"], a["key"], a["value"], a["attn_bias"], a["is_causal"], a["scale"], a["dropout_p"])
-    empty = _no_tensor(out)
+    out, lse = _attention(a)
+    empty = out.new_empty(0)
     return out, lse, empty, empty
 
 
-def _cpu_flash(a):
-    return attention(a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"], a["dropout_p"])
-
-
-def _backward(a, bias_name=None):
-    bias = a.get(bias_name) if bias_name else None
+def _backward(a):
     grad = a["grad_out"] if "grad_out" in a else a["grad_out_"]
-    return attention_backward(grad, a["query"], a["key"], a["value"], bias if bias is None or bias.numel() else None,
-                              a["is_causal"], a["scale"], a["dropout_p"])
+    return attention_backward(grad, a["query"], a["key"], a["value"], _bias(a), a["is_causal"], a["scale"],
+                              a["dropout_p"])
 
 
 def _efficient_backward(a):
-    dq, dk, dv = _backward(a, "attn_bias")
+    dq, dk, dv = _backward(a)
     if a["grad_input_mask"][3]:
         raise NoStandIn("the gradient of an attention bias")
     return dq, dk, dv, None
@@ -157,14 +153,14 @@ def _softmax_backward(op):
 
 
 STAND_INS = {
-    aten._scaled_dot_product_cudnn_attention.default: _cudnn,
-    aten._scaled_dot_product_cudnn_attention_backward.default: lambda a: _backward(a, "attn_bias"),
-    aten._scaled_dot_product_flash_attention.default: _flash,
+    aten._scaled_dot_product_cudnn_attention.default: _cudnn_or_flash,
+    aten._scaled_dot_product_cudnn_attention_backward.default: _backward,
+    aten._scaled_dot_product_flash_attention.default: _cudnn_or_flash,
     aten._scaled_dot_product_flash_attention_backward.default: _backward,
     aten._scaled_dot_product_efficient_attention.default: _efficient,
     aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward,
-    aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda a: _backward(a, "attn_mask"),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _backward,
     aten._softmax_backward_data.default: _softmax_backward(aten._softmax_backward_data.default),
     aten._log_softmax_backward_data.default: _softmax_backward(aten._log_softmax_backward_data.default),
 }
