@@ -11,7 +11,7 @@ training step (``labels=``, ``loss.backward()``, train mode) at the same sizes, 
 dropout off: a GPU's fused attention draws its dropout masks by its own generator
 offsets, so that no two backends' steps are comparable with it on; and for decoders,
 ``generate`` mode: ``model.generate`` (greedy, KV cache on) of GENERATE_TOKENS tokens
-after a prompt of GENERATE_PROMPT at batch 1, the forward compiled as transformers'
+after a prompt of GENERATE_PROMPT at batch 1 (``--prompt``, ``--batch``), the forward compiled as transformers'
 docs compile it, and ``static`` mode: the same with transformers' static cache, its decode
 step compiled by transformers itself (``compile_config``, mode "reduce-overhead": CUDA
 graphs) as its docs advise for speed (a generation's pass: every token as eager's up to
@@ -230,7 +230,7 @@ def compile_phases(graphs) -> dict:
 
 def run_family(family: zoo.Family, mode: str, args) -> dict:
     training, generating = mode == "train", mode in GENERATING
-    batch, seq = (1, GENERATE_PROMPT) if generating else SIZES[family.kind]
+    batch, seq = (args.batch, args.prompt) if generating else SIZES[family.kind]
     model = zoo.family_model(family, train=training, sizes=family.published, layers=args.layers, dtype=torch.bfloat16,
                              device="cuda", dropout=False)
     if training:
@@ -389,6 +389,9 @@ def main():
     ap.add_argument("--whole", action="store_true",
                     help="also eqfuse with each graph compiled whole (share_layers=False), from 3 layers on")
     ap.add_argument("--profile", action="store_true", help="the kernels of each contender's call (torch.profiler)")
+    ap.add_argument("--prompt", type=int, default=GENERATE_PROMPT,
+                    help="generate, static: the prompt's tokens (a static cache holds them and the new ones)")
+    ap.add_argument("--batch", type=int, default=1, help="generate, static: the sequences generated at once")
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = []

@@ -40,6 +40,7 @@ def _compiler(options: dict, kind: str):
     each graph is titled so (its plan, ``explain()``, ``backend.history``)."""
     from . import compile as eqfuse_compile
     from .errors import EqfuseError
+    from .frontend.writes import reinplaced
 
     def compile_fn(fn, example_inputs):
         """eqfuse's compiled graph, or None (with the reason logged) where it cannot be."""
@@ -55,6 +56,7 @@ def _compiler(options: dict, kind: str):
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
         gm.__name__ = kind  # AOTAutograd's graph, made for this compile: every one was "GraphModule"
+        gm = reinplaced(gm)  # an inference graph's writes into its inputs, updates in place where they can be
         if _symbolic(example_inputs):
             sizes_out = _SizesOut.of(gm, example_inputs)
             if sizes_out is False:
@@ -317,8 +319,10 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # validation checks the result against the graph as AOTAutograd gave it. (With torch
     # 2.13's core decompositions here, AOTAutograd's own backward of a GPT-2 block on the
     # CPU was wrong, compilers aside.)
+    # An inference graph keeps its writes into its inputs (a static cache's update, made an
+    # update in place: frontend/writes.py) instead of returning new values copied back after
     backend = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=compiler,
-                           partition_fn=partition)
+                           partition_fn=partition, keep_inference_input_mutations=True)
     if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in example_inputs):
         from .frontend.capture import plain_bool_masked_attention
         gm = plain_bool_masked_attention(gm)

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import EqfuseError, ExtractionError, Unsupported, one_line
+from .frontend.writes import mutation_problem
 
 
 def _dynamo_compile_lock():
@@ -86,15 +87,6 @@ def _real_tensors():
         yield
 
 
-def _unsupported_graph(gm) -> str | None:
-    """Why the graph as a whole runs in eager, where a node makes it so: in-place ops
-    (their order against the kernels reading the tensor they change is not kept yet)."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False):
-            return f"in-place op {n.target} (mutation is not supported yet)"
-    return None
-
-
 def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dict:
     from .runtime import plan_cache
     from .runtime.compiled import VERSION, FallbackInfo, make_fallback_runner
@@ -114,7 +106,7 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
         result["report"]["note"] = f"whole graph runs in eager: {reason}"
         return result
 
-    reason = _unsupported_graph(captured.gm)
+    reason = mutation_problem(captured.gm)
     if reason:
         return eager(reason)
     if device_type != "cuda" and not _interpreter_ready():
@@ -462,8 +454,9 @@ def _runnable(plan, source: str, infos: list, module) -> dict:
     ops = [(s, step_op(s.target)) for s in plan.fallbacks]
     return dict(kernels=infos, source=source, plan=plan, module=module, launch=module.call_boxed,
                 fallback_runners=[make_fallback_runner(s) for s in plan.fallbacks],
-                fallbacks=[FallbackInfo(s.node, s.reason, op) for s, op in ops if op != "empty"],
-                empty_tensors=[s.node for s, op in ops if op == "empty"])
+                fallbacks=[FallbackInfo(s.node, s.reason, op) for s, op in ops if op != "empty" and not s.writes],
+                empty_tensors=[s.node for s, op in ops if op == "empty"],
+                input_writes=[FallbackInfo(s.node, s.reason, op) for s, op in ops if s.writes])
 
 
 # The report's parts a plan cache entry keeps: what explain() prints of the build that made it.

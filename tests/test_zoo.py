@@ -184,9 +184,10 @@ def test_generation_compiles_the_decode_step_once_for_every_cache_length(name, m
 def test_generation_with_a_static_cache_has_a_decode_step_of_kernels_only():
     """torch.compile's recipe for generation: a static cache (fixed shapes, the position a
     runtime value). The decode step writes each layer's k and v at the step's position
-    (index_copy): a kernel, so the step holds no eager step; the prompt writes its many
-    positions by a reduction over them and an indexed read (frontend/decompose.py), no
-    eager step either; every step's logits are eager's."""
+    into the cache itself (index_copy made index_put_: frontend/writes.py), not into a
+    new cache copied back; the prompt writes its many positions by a reduction over them
+    and an indexed read (frontend/decompose.py), copied in. No other eager step; every
+    step's logits are eager's."""
     family = zoo.BY_NAME["llama"]
     model = zoo.family_model(family, layers=LAYERS, device=DEVICE)
     prompt = zoo.inputs(family, model, seq=5)["input_ids"]
@@ -206,6 +207,8 @@ def test_generation_with_a_static_cache_has_a_decode_step_of_kernels_only():
     prompt_graph, step = graphs
     assert prompt_graph.kernels and not prompt_graph.fallbacks, prompt_graph.explain()
     assert step.kernels and not step.fallbacks, step.explain()
+    writes = [w.op for w in step.input_writes]  # each layer's keys and values, its position counter
+    assert writes.count("index_put_") == 2 * LAYERS and set(writes) == {"index_put_", "copy_"}, step.explain()
 
 
 def test_generation_with_a_static_cache_compiled_by_transformers_itself():

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..errors import CaptureError
 from . import decompose
+from .writes import reinplaced
 
 
 def decomposition_table() -> dict:
@@ -230,7 +231,7 @@ def _functionalised(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphM
     """``gm`` traced again through functionalisation: an in-place op on an intermediate
     (rms_norm's decomposition adds eps in place) becomes its out-of-place form, views of a
     mutated value read the new one. A mutation of an input stays (a copy_ into it at the
-    end), and such a graph runs in eager. Decompositions add such ops below a
+    end: frontend/writes.py). Decompositions add such ops below a
     functionalisation of the first trace, hence a second one, only where needed. Where
     functionalisation fails (a prim with an aliasing output: BatchNorm's decomposition),
     ``gm`` as it is, which runs in eager."""
@@ -358,7 +359,7 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
             gm = make_fx(flat_fn, decomposition_table=decomposition_table(), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*example_inputs)
             if _mutates(gm):
-                gm = _functionalised(gm, example_inputs)
+                gm = reinplaced(_functionalised(gm, example_inputs))
     except Exception as e:  # torch raises many kinds: report one clear line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(f"could not trace the function: {type(e).__name__}: {msg}") from e

@@ -567,7 +567,8 @@ class Extractor:
     def _fallback_steps(self) -> dict:
         if self._fallbacks is None:
             self._fallbacks = {f"f{j}": FallbackStep(fb.node, fb.target, _map_refs(fb.args, self),
-                                                     _map_refs(fb.kwargs, self), fb.reason, fb.outputs, fb.multi)
+                                                     _map_refs(fb.kwargs, self), fb.reason, fb.outputs, fb.multi,
+                                                     fb.writes)
                                for j, fb in enumerate(self.tr.fallbacks)}
             self._fallback_reads = {key: step_reads(step) for key, step in self._fallbacks.items()}
         return self._fallbacks
@@ -795,11 +796,15 @@ def _moved(host: dict, kernels: list, p: str) -> dict:
     return out
 
 def _dependencies(kernels: dict, fallbacks: dict, reads: dict | None = None):
-    """(writer, reader) per buffer a step reads that another step writes; and (earlier,
-    later) for the eager steps that draw random numbers, in the graph's order: each draws
-    from the generator where the one before it left it, as in eager (T5's training
-    forward, five dropouts, drew in another order and failed the check against eager)."""
-    draws = sorted((k for k, step in fallbacks.items() if draws_random_numbers(step.target)), key=lambda k: int(k[1:]))
+    """(writer, reader) per buffer a step reads that another step writes; (earlier, later)
+    for the eager steps that draw random numbers, in the graph's order: each draws from the
+    generator where the one before it left it, as in eager (T5's training forward, five
+    dropouts, drew in another order and failed the check against eager); and (reader,
+    updater) for each input an eager step writes in place, whose old value every other
+    reader must see (frontend/writes.py), the updates of one input in the graph's order."""
+    def in_order(keys):
+        return sorted(keys, key=lambda k: int(k[1:]))
+    draws = in_order(k for k, step in fallbacks.items() if draws_random_numbers(step.target))
     yield from zip(draws, draws[1:])
     writer: dict[str, str] = {}
     for key, spec in kernels.items():
@@ -808,10 +813,18 @@ def _dependencies(kernels: dict, fallbacks: dict, reads: dict | None = None):
     for key, step in fallbacks.items():
         for name in step.outputs:
             writer[name] = key
+    updaters: dict[str, list] = {}
+    for key in in_order(k for k, step in fallbacks.items() if step.writes is not None):
+        updaters.setdefault(fallbacks[key].writes, []).append(key)
+    for keys in updaters.values():
+        yield from zip(keys, keys[1:])
     for key, step in {**kernels, **fallbacks}.items():
         for b in (reads[key] if reads is not None else step_reads(step)):
             if b in writer and writer[b] != key:
                 yield writer[b], key
+            for updater in updaters.get(b, ()):
+                if updater != key:
+                    yield key, updater
 
 
 def draws_random_numbers(target) -> bool:

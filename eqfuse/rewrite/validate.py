@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..frontend.writes import cloned, written_positions
 from ..schema import ops
 from ..schema.plan import BufArg, KernelSpec, Plan, PNode, last_uses, returned_buffers
 from .wide_reference import WideReference
@@ -388,13 +389,21 @@ def mismatch(plan: Plan, captured, fallback_runner, inputs=None) -> str | None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     inputs = list(captured.example_tensors if inputs is None else inputs)
+    written = written_positions(captured.gm)
     with torch.no_grad(), warnings.catch_warnings(), unset_fake_temporarily():
         warnings.simplefilter("ignore")  # the user saw eager's warnings when tracing
         # The original function, not the decomposed trace: a decomposition is checked too.
+        # Each run writes its own copies of the inputs the graph writes, which are compared after.
+        theirs, mine = cloned(inputs, written), cloned(inputs, written)
         with _drawing_from(RANDOM_SEED):
-            expected = captured.reference_outputs(inputs[:captured.num_user_inputs])
+            expected = captured.reference_outputs(theirs[:captured.num_user_inputs])
         with _drawing_from(RANDOM_SEED):
-            got = evaluate(plan, inputs, fallback_runner)
+            got = evaluate(plan, mine, fallback_runner)
+        # (the reference writes a module's own buffers, not the copies: the user's inputs only)
+        users = [i for i in written if i < captured.num_user_inputs]
+        problem = _first_difference([mine[i] for i in users], [theirs[i] for i in users])
+        if problem:
+            return f"an input it writes: {problem}"
         # An eager op's own outputs are not eqfuse's to check, and may differ run to run
         # (the random-state outputs of attention on CUDA).
         eager = {i for i, o in enumerate(plan.outputs)
@@ -402,7 +411,7 @@ def mismatch(plan: Plan, captured, fallback_runner, inputs=None) -> str | None:
         rtols = output_rtols(captured.gm)
         problem = _first_difference(got, expected, eager, rtols)
         if problem and any(rtol in NARROW_BY_RTOL for rtol in rtols):  # computed from half precision
-            exact = _wide_outputs(captured, inputs)
+            exact = _wide_outputs(captured, cloned(inputs, written))
             if exact is not None:
                 problem = _first_worse(got, expected, exact, eager, rtols)
         return problem

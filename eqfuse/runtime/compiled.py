@@ -208,6 +208,12 @@ class CompiledGraph:
         return self._main.empty_tensors
 
     @property
+    def input_writes(self) -> list[FallbackInfo]:
+        """The steps that write into the graph's inputs in place, in eager (a static cache's
+        update at a decode step's position, a counter advanced): frontend/writes.py."""
+        return self._main.input_writes
+
+    @property
     def source(self) -> str:
         return self._main.source
 
@@ -314,6 +320,7 @@ class _Variant:
     report: dict = field(default_factory=dict)
     plan: Any = None
     empty_tensors: list = field(default_factory=list)  # FX nodes whose values have no elements
+    input_writes: list = field(default_factory=list)  # the eager steps writing into inputs (frontend/writes.py)
 
     @property
     def library_calls(self) -> list:
@@ -474,7 +481,8 @@ class _Variant:
         module = getattr(self, "module", None)
         deferred = list(deferred_launchers(module).values()) if module is not None else []
         name = f"{getattr(self.fn, '__name__', type(self.fn).__name__)} of {len(self.kernels)} kernels"
-        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count, deferred, name)
+        return GraphReplayer(self.run_kernels, tuple(self.constants), copy_bytes, copy_count, deferred, name,
+                             self.plan.written_inputs)
 
     def explain(self) -> str:
         calls = f"{len(self.library_calls)} cuBLAS call(s), " if self.library_calls else ""
@@ -510,6 +518,8 @@ class _Variant:
             lines.append(f"      computes FX nodes: {', '.join(c.fx_nodes) or '-'}")
         for f in self.fallbacks:
             lines.append(f"  eager: {f}")
+        for w in self.input_writes:
+            lines.append(f"  write into an input: {w}")
         if self.empty_tensors:
             lines.append(f"  no elements, nothing to compute: {', '.join(self.empty_tensors)}")
         if rep.get("no_cuda_graphs"):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import one_line
+from ..frontend.writes import strided_copy
 
 log = logging.getLogger("eqfuse")
 
@@ -51,6 +52,7 @@ RECORDABLE_EAGER_OPS = frozenset({
     # scans, sorts and selections of a fixed size (OPT's positions, a mixture of experts' routing)
     "convolution", "constant_pad_nd", "cumsum", "sort", "topk", "div",
     "empty", "empty_permuted",  # allocations from the caching allocator (empty: from_fx.EmptyTensor)
+    "copy_", "index_copy_", "index_put_",  # writes into an input (frontend/writes.py)
 })
 
 _CONSTANTS = (type(None), bool, int, float)
@@ -117,10 +119,13 @@ def unrecordable(steps, dtypes: dict | None = None) -> str | None:
                                        normalize_to_only_use_kwargs=True).kwargs
         if arguments.get("dropout_p"):
             return f"its eager step {step.node} draws random numbers (dropout)"
+        if name == "index_put_" and arguments.get("accumulate"):
+            return f"its eager step {step.node} (index_put_) accumulates, sorting its indices"
         if arguments.get("scale_grad_by_freq"):
             return f"its eager step {step.node} ({name}) counts the indices on the host (scale_grad_by_freq)"
-        if name == "index" and not all(_integer(i, dtypes or {}) for i in arguments["indices"] if i is not None):
-            return f"its eager step {step.node} (index) may take a bool mask, which waits for the GPU (nonzero)"
+        indices = arguments.get("indices") or () if name in ("index", "index_put_") else ()
+        if not all(_integer(i, dtypes or {}) for i in indices if i is not None):
+            return f"its eager step {step.node} ({name}) may take a bool mask, which waits for the GPU (nonzero)"
     return None
 
 
@@ -136,8 +141,11 @@ class GraphReplayer:
     """``replayer(inputs)`` returns what ``launch(*inputs)`` would (a flat list of tensors)."""
 
     def __init__(self, launch: Callable, fixed_inputs: tuple = (), copy_bytes: int = 0, copy_count: int = 0,
-                 deferred: list = (), name: str = "graph"):
+                 deferred: list = (), name: str = "graph", written: tuple = ()):
         self.launch = launch
+        # The inputs the graph writes (frontend/writes.py): never copied in, where the write
+        # would land in the recording's copy instead of the caller's tensor
+        self.written = frozenset(written)
         self.name = name  # for the debug log
         # Launchers running a twin while their own kernel compiles (parallel_compile._deferrable):
         # a recording made meanwhile would replay the twin for good, so none is made until they run their own
@@ -227,7 +235,7 @@ class GraphReplayer:
         if not self._recordings and self.copy_limits[0]:
             for before in self._recent:
                 moved = tuple(i for i, (a, b) in enumerate(zip(before, ptrs)) if a != b)
-                if _copyable(inputs, moved, *self.copy_limits):
+                if not self.written.intersection(moved) and _copyable(inputs, moved, *self.copy_limits):
                     self._copy_in(moved, len(ptrs))
                     return True
             self._recent = [ptrs, *self._recent[:RECENT_CALLS - 1]]
@@ -243,7 +251,7 @@ class GraphReplayer:
         self._recent = []
 
     def _record(self, inputs) -> _Recording | None:
-        copied_inputs = [_like(inputs[i]) for i in self.copied]
+        copied_inputs = [strided_copy(inputs[i]) for i in self.copied]
         staged = list(inputs)
         for i, buffer in zip(self.copied, copied_inputs):
             staged[i] = buffer
@@ -295,9 +303,6 @@ class GraphReplayer:
         return _Recording(graph, kept, owned, storages, copied_inputs=copied_inputs, aliases=aliases)
 
 
-def _like(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` with its strides (the kernels were specialised to them)."""
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _copyable(inputs, positions: tuple, count: int, budget: int) -> bool:

@@ -156,6 +156,10 @@ class LayeredGraph:
         return [n for c in self.compiled for n in c.empty_tensors]
 
     @property
+    def input_writes(self) -> list:
+        return [w for c in self.compiled for w in c.input_writes]
+
+    @property
     def source(self) -> str:
         return "\n".join(c.source for c in self.compiled)
 
@@ -236,6 +240,7 @@ class LayeredGraph:
         was its launches one by one (Llama-3.2 widths, 4 layers, static cache, H200:
         2.8 ms of host time a token). Settled once every part has made its first call
         (its check on real inputs, its kernels loaded); until then, None, undecided."""
+        from ..frontend.writes import written_positions
         from .graphs import GraphReplayer
 
         variants = [getattr(c, "_main", c) for c in self.compiled]  # a part's variant for these inputs
@@ -253,7 +258,8 @@ class LayeredGraph:
         budget = sum(r.copy_limits[1] for r in replayers)
         deferred = [launcher for r in replayers for launcher in r.deferred]
         name = f"{getattr(self.fn, '__name__', type(self.fn).__name__)} in {len(self.parts)} parts"
-        self.graphs = GraphReplayer(self._launch, tuple(self._constants.values()), budget, count, deferred, name)
+        self.graphs = GraphReplayer(self._launch, tuple(self._constants.values()), budget, count, deferred, name,
+                                    written_positions(self.fn))
         self._signature = _signature(args)
         return self.graphs
 

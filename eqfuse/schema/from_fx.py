@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import Unsupported
+from ..frontend.writes import written_input
 from . import ops
 from .eager_steps import substituted, underlying_op
 from .ops import dtype_name
@@ -60,6 +61,7 @@ class Fallback:
     outputs: list  # names of the external buffers it produces (one per tensor result)
     multi: bool
     out_info: list = field(default_factory=list)  # (shape, dtype) per output; dtype None if opaque
+    writes: str | None = None  # the input buffer it writes in place (frontend/writes.py)
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,10 @@ class Translator:
             base = self.env[node.args[0]]
             self.env[node] = base[node.args[1]]
             return
+        written = written_input(node)
+        if written is not None:  # an update of an input in place: an eager step (frontend/writes.py)
+            self._fallback(node, f"writes input {written.name} in place", writes=self.env[written].buf)
+            return
         handler = _handler(node.target)
         out = _meta(node)
         if handler is not None and _no_elements(out):
@@ -274,7 +280,9 @@ class Translator:
         self.fallbacks.append(Fallback(node.name, target, (), {}, reason, [name], False, [(shape, dt)]))
         self.env[node] = BufferView(name, shape, tuple(meta.stride()), 0, dt, foldable=False)
 
-    def _fallback(self, node, reason):
+    def _fallback(self, node, reason, writes: str | None = None):
+        """``node`` as an eager step; ``writes``: the input buffer it writes in place (its
+        first argument, passed as it is: a copy in eager's layout would take the write)."""
         j = len(self.fallbacks)
 
         def ref(a, path):
@@ -320,8 +328,8 @@ class Translator:
             else:
                 entries.append(_Opaque(name))
                 info.append(((), None))
-        target = EagerCall.wrap(node, metas, substituted(node.target))
-        self.fallbacks.append(Fallback(node.name, target, args, kwargs, reason, names, multi, info))
+        target = node.target if writes else EagerCall.wrap(node, metas, substituted(node.target))
+        self.fallbacks.append(Fallback(node.name, target, args, kwargs, reason, names, multi, info, writes))
         self.env[node] = entries if multi else entries[0]
 
     def _copied_input(self, entry, node) -> bool:

@@ -124,6 +124,7 @@ class FallbackStep:
     reason: str
     outputs: list  # external buffer names
     multi: bool
+    writes: str | None = None  # the input buffer it writes in place (frontend/writes.py)
 
 
 @dataclass
@@ -164,6 +165,12 @@ class Plan:
     @property
     def library_calls(self) -> list[LibraryCall]:
         return [s for s in self.steps if isinstance(s, LibraryCall)]
+
+    @property
+    def written_inputs(self) -> tuple:
+        """The positions of the inputs its steps write in place."""
+        written = {s.writes for s in self.fallbacks if s.writes is not None}
+        return tuple(i for i, b in enumerate(self.inputs) if b.name in written)
 
 
 def operand_cut(node: PNode, inner: set, reading: set | None = None) -> list:
