@@ -130,8 +130,8 @@ def _build_captured(fn, captured, example_inputs, options, seconds: dict) -> dic
 
     def extract_plan(again: bool):
         if again:  # built once more from scratch: not the shared plan that failed
-            return _extract(captured, options, seconds)
-        return _extracted(captured, example_inputs, options, device, title, seconds)
+            return _extract(captured, options, seconds, library)
+        return _extracted(captured, example_inputs, options, device, title, seconds, library)
 
     # A plan that fails validation, or an e-graph the parser finds inconsistent (egglog
     # 13.2 once mixed up string arguments between terms: see terms.py), is built once
@@ -249,23 +249,24 @@ def _capture(fn, example_inputs):
     return dataclasses.replace(shared[key], fn=fn, example_tensors=list(example_inputs))
 
 
-def _extracted(captured, example_inputs, options, device, title: str, seconds: dict):
+def _extracted(captured, example_inputs, options, device, title: str, seconds: dict, library: bool):
     """``_extract``, or within ``shared_plans`` the copy of a plan extracted for an equal graph."""
     from .runtime import plan_cache
 
     shared = getattr(_shared, "plans", None)
     if shared is None:
-        return _extract(captured, options, seconds)
+        return _extract(captured, options, seconds, library)
     key = plan_cache.plan_key(captured, example_inputs, options, device, title)
     if key not in shared:
-        shared[key] = copy.deepcopy(_extract(captured, options, seconds))
+        shared[key] = copy.deepcopy(_extract(captured, options, seconds, library))
         return copy.deepcopy(shared[key])
     plan, sat, ext_report = copy.deepcopy(shared[key])
     return plan, sat, {**ext_report, "shared": True}
 
 
-def _extract(captured, options, seconds: dict):
-    """Terms -> saturation -> extraction: (plan, saturation report, extraction report)."""
+def _extract(captured, options, seconds: dict, library: bool = False):
+    """Terms -> saturation -> extraction: (plan, saturation report, extraction report).
+    ``library``: the plan's plain products will be cuBLAS calls, as its costs weigh them."""
     from .rewrite.egraph_json import serialize
     from .rewrite.extract import Extractor
     from .rewrite.saturate import Limits, saturate
@@ -282,7 +283,7 @@ def _extract(captured, options, seconds: dict):
     try:
         view = serialize(tr.egraph)
         sat.enodes, sat.eclasses = view.size()
-        plan, ext_report = Extractor(view, tr).extract(deadline)
+        plan, ext_report = Extractor(view, tr, library=library).extract(deadline)
     finally:
         # Dropped here, on the thread that made it: egglog's e-graph may only be freed on
         # its own thread, and the translation sits in reference cycles that the garbage

@@ -457,3 +457,30 @@ def test_a_sum_of_products_with_a_matrix_added_is_addmm_then_the_rest():
         == [("addmm", ["a", "w1", "h"], False), ("addmm", ["b", "w2"], True)]
     assert step_reads(call) == {"a", "w1", "h", "b", "w2"}
     assert library.library_call(KernelSpec("k0", [(root(2047), "out")]), buffers) is None
+
+
+def _gated_mlp(x, w_gate, w_up, w_down, residual):
+    return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down + residual
+
+
+@pytest.mark.parametrize("tokens, plain", [(4096, True), (16, False)], ids=["compute-bound", "launch-bound"])
+def test_extraction_weighs_cublas_on_plain_products(tokens, plain):
+    """Where cuBLAS will run the plain products, extraction weighs its speed: at a Mistral
+    MLP's widths and 4096 tokens (compute-bound: cuBLAS ran 790 TFLOP/s on an H200 where
+    the generated products with an activation fused ran 560-680) the two products stay
+    plain and the activation is a kernel of its own; at 16 tokens the fused product, which
+    saves a launch and a round trip, wins as before. Plans only, on meta tensors."""
+    from eqfuse.frontend.capture import capture
+    from eqfuse.pipeline import _extract
+    from eqfuse.runtime.compiled import Options
+
+    hidden, inner = 4096, 14336
+    shapes = [(tokens, hidden), (hidden, inner), (hidden, inner), (inner, hidden), (tokens, hidden)]
+    captured = capture(_gated_mlp, [torch.empty(s, dtype=torch.bfloat16, device="meta") for s in shapes])
+    counts = {}
+    for weighed in (False, True):
+        plan, _, _ = _extract(captured, Options.make(), {}, library=weighed)
+        library.library_products(plan)
+        counts[weighed] = len(plan.library_calls)
+    # the gate's and up's products, the down projection with the residual added (addmm)
+    assert counts[True] == (3 if plain else 1) and counts[False] == (2 if plain else 1), counts

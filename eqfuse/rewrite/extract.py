@@ -77,10 +77,13 @@ def _broadcast_shapes(*shapes):
 
 
 class Extractor:
-    def __init__(self, view: EGraphView, translation, device: Device | None = None):
+    def __init__(self, view: EGraphView, translation, device: Device | None = None, library: bool = False):
+        """``library``: the plan's plain products will be cuBLAS calls (codegen/library.py),
+        which the costs weigh: a product with work fused around it stays generated."""
         self.g = view
         self.tr = translation
         self.device = device or device_model()
+        self.library = library
         self.kernel_of: dict[str, str] = {}  # value class -> Tensor class holding Kernel(value)
         self.tensor_node: dict[str, ENode] = {}  # Tensor class -> its Kernel / Input node
         for cid, nodes in view.classes.items():
@@ -521,7 +524,8 @@ class Extractor:
         except Unschedulable as e:
             return math.inf, e, True
         passes = 1 if sched.kind == "pointwise" or sched.persistent else looped_passes(spec)
-        return kernel_time_us(spec, buffers, self.device, passes, sched), None, False
+        library = self.library and sched.kind == "matmul" and _library_product(spec, buffers)
+        return kernel_time_us(spec, buffers, self.device, passes, sched, library), None, False
 
     def _checked(self, st: _State, memo) -> _State:
         """``st`` with the source of each kernel written, and the kernels the writer refuses
@@ -777,6 +781,15 @@ def _collector_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def _library_product(spec: KernelSpec, buffers: dict) -> bool:
+    """Whether ``spec`` is a product the plan will hand to cuBLAS (codegen/library.py)."""
+    from ..codegen.library import library_call
+    try:
+        return library_call(spec, buffers) is not None
+    except KeyError:  # a buffer this trial plan does not store
+        return False
 
 
 def _dependency_graph(kernels: dict, fallbacks: dict, reads: dict | None = None) -> nx.DiGraph:
