@@ -165,6 +165,17 @@ def test_float32_to_bfloat16_rounds_to_nearest_even_as_torch():
     assert torch.equal(got[finite].view(torch.int16), ref[finite].view(torch.int16))
 
 
+def test_bfloat16_denormals_round_trip_as_torch():
+    """A bfloat16 denormal widened to float32 in a kernel keeps its value (the interpreter
+    renormalised it out of range: -3.03e-39 came back -3.67e-40; interpreter_fixes.py)."""
+    x = torch.tensor([-3e-39, 1.5e-39, -1e-40, 5e-41, 9.2e-41, -2.5, 0.0, -0.0, float("inf")])
+
+    def fn(x):
+        return x.to(torch.bfloat16).float() * 1.5
+    got = eqfuse.compile(fn, (x.to(DEVICE),))(x.to(DEVICE)).cpu()
+    assert torch.equal(got.view(torch.int32), fn(x).view(torch.int32))
+
+
 def test_graph_compiled_on_another_thread_is_freed_cleanly(monkeypatch):
     """The autograd engine compiles backward graphs on its own thread; egglog's e-graph may
     only be dropped on the thread that made it, so eqfuse drops it there (not the collector

@@ -11,7 +11,10 @@ something the GPU does not, it is corrected here rather than worked around in th
   - a cast from float32 to bfloat16 truncates the mantissa, where the GPU (and torch)
     round to nearest even. Truncation always errs towards zero, so its errors add up
     instead of cancelling (bf16 gradients of a BERT layer came out 2-6x less accurate than
-    eager's on the CPU only). The cast rounds here as on the GPU.
+    eager's on the CPU only). The cast rounds here as on the GPU;
+  - a cast from bfloat16 to float32 renormalises a denormal's mantissa into an exponent
+    below the range and clamps it (-3.03e-39 became -3.67e-40; the random-graph fuzzer's
+    special values found it). It is the bits moved up 16 places, exact, as on the GPU.
 * triton 3.6: a scalar computed with ``tl.minimum`` / ``tl.maximum`` is a one-element array
   that ``range`` cannot take as a bound (attention's loop over the columns a causal mask
   leaves). Such a scalar converts to an index through its one element.
@@ -60,6 +63,8 @@ def apply() -> None:
         a, b = src.dtype.scalar, dst_type.scalar
         if a == f32 and b == tl.bfloat16:
             return interpreter.TensorHandle(_round_to_bfloat16(src.data), tl.bfloat16)
+        if a == tl.bfloat16 and b == f32:
+            return widen(src)
         if tl.bfloat16 in (a, b) and f32 not in (a, b) and a != b:
             return cast(self, cast(self, src, f32), dst_type)
         return cast(self, src, dst_type)
