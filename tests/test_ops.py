@@ -83,6 +83,47 @@ def test_op(name):
     assert_matches(compiled(*inputs), fn(*inputs))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("base", [2.0, 10.0, 0.5, 3.14159, 1e-3])
+def test_a_positive_scalar_to_a_tensor_power_is_exp2_on_special_values(base, dtype):
+    """``base ** x`` (``__rpow__``) for a positive scalar base: exp2(x log2(base)), exp2
+    itself for base 2. NaN where torch has NaN, infinities and zeros where it has them,
+    values within a few ulps (float32; one rounding in half precision)."""
+    x = torch.tensor(SPECIAL + [0.3, -0.3, 1e-6, 3.0, -3.0, 20.0, -20.0, 37.9, -37.9, 127.5, -149.5, 1e4, -1e4])
+    x = x.to(dtype)
+    f = lambda x: base ** x  # noqa: E731
+    c = eqfuse.compile(f, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x), f(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (x, got, want)
+    rtol = 4e-6 if dtype == torch.float32 else {torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-37, equal_nan=True)
+
+
+@pytest.mark.parametrize("base", [1.0, 0.0, -2.0, 1.0 + 2 ** -30])
+def test_a_scalar_base_of_one_or_below_stays_eager_with_its_reason(base):
+    x = torch.tensor([float("nan"), float("inf"), 2.0, -0.5, 0.0, 3.0])
+    c = eqfuse.compile(lambda x: base ** x, (x,))
+    assert [f.op for f in c.fallbacks] == ["pow"] and "scalar base" in c.fallbacks[0].reason, c.explain()
+    torch.testing.assert_close(c(x), base ** x, equal_nan=True)
+
+
+def test_ldexp_is_a_kernel_exact_as_eagers():
+    """``ldexp`` as a true ldexp, bit for bit: eager's is no ``x * 2.0 ** e`` (ldexp(0, 140)
+    is 0 there, not NaN; ldexp(inf, -200) inf; ldexp(1e-40, 140) finite), denormal results
+    rounded once, exponents past the float range."""
+    x = torch.tensor(SPECIAL + [1.5, -3.0, 0.75, 1.0, -1.0, 3e-39, 0.0, 1e-40, 1.5, 1.5, 1.5, 3e38, -2.5, 7.0])
+    e = torch.tensor([3, -200, 0, 5, 127, -126, 1, 140, -140, 0, -1, 2, 60, 140, 140, -149, -150, -151, -300,
+                      1000, -1000])
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        c = eqfuse.compile(torch.ldexp, (x.to(dtype), e))
+        assert c.kernels and not c.fallbacks, c.explain()
+        got, want = c(x.to(dtype), e), torch.ldexp(x.to(dtype), e)
+        assert got.dtype == want.dtype
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got[~got.isnan()].view(torch.int8), want[~want.isnan()].view(torch.int8)), (got, want)
+
+
 @pytest.mark.parametrize("name", sorted(ops.UNARY))
 def test_unary_op_on_special_values(name):
     """Each unary op's Triton form against torch on NaN, infinities, signed zeros,

@@ -760,6 +760,24 @@ def _dist(x, other, p=2):
     return torch.linalg.vector_norm(x - other, p)
 
 
+def _ldexp(x, other):
+    """``ldexp`` of a float32 or half-precision ``x`` by integer exponents, exact as eager's
+    (a true ldexp, not ``x * 2.0 ** other``: ldexp(0, 140) is 0, ldexp(1e-40, 140) finite,
+    ldexp(inf, -200) inf): in float32, ``x`` times three powers of two that are each a
+    normal float (the exponent clamped to +-300, past which every result is an infinity,
+    a zero, or x's infinity or NaN as at +-300), rounded once to x's dtype."""
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or other.is_floating_point() \
+            or other.dtype == torch.bool or torch.result_type(x, other) != x.dtype:
+        return NotImplemented
+    e = other.clamp(-300, 300)
+    a = torch.div(e, 3, rounding_mode="trunc")
+    b = torch.div(e - a, 2, rounding_mode="trunc")
+    out = x.float()
+    for part in (a, b, e - a - b):
+        out = out * torch.exp2(part.float())
+    return out.to(x.dtype)
+
+
 def _cdist(x1, x2, p, compute_mode=None):
     """``cdist``: the p-norm of each pair's difference (a reduction over the broadcast
     differences, computed directly: eager's products for large Euclidean inputs
@@ -818,7 +836,8 @@ ADDED = {
     aten.scatter_add.default: _scatter_add, aten.scatter_reduce.two: _scatter_reduce,
     aten.index_reduce.default: _index_reduce, aten.put.default: _put, aten.masked_scatter.default: _masked_scatter,
     aten.round.decimals: _round_decimals, aten.angle.default: _angle, aten.addbmm.default: _addbmm,
-    aten.dist.default: _dist, aten._cdist_forward.default: _cdist, aten._pdist_forward.default: _pdist,
+    aten.dist.default: _dist, aten.ldexp.Tensor: _ldexp,
+    aten._cdist_forward.default: _cdist, aten._pdist_forward.default: _pdist,
     aten.diagonal_scatter.default: _diagonal_scatter, aten.as_strided_scatter.default: _as_strided_scatter,
     aten.topk.default: _topk,
     aten.sort.default: _sort, aten.sort.stable: _sort_stable, aten.kthvalue.default: _kthvalue,

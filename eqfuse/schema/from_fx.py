@@ -693,8 +693,10 @@ def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
         return _int_division(tr, node, a, b, "floor" if rounding_mode == "floor" else "trunc")
     if rounding_mode is not None and not (rounding_mode == "trunc" and ops.is_float(dt)):
         raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
+    if op == "pow" and isinstance(a, (int, float)) and not isinstance(b, (int, float)) and ops.is_float(dt):
+        return _scalar_to_a_power(tr, a, b, shape, dt)
     if op == "pow" and not (isinstance(b, (int, float)) and ops.is_float(dt)):
-        raise Unsupported("pow is supported on floats with a scalar exponent")
+        raise Unsupported("pow is supported on floats with a scalar exponent or a positive scalar base")
     if op in ("and", "or", "xor") and dt != "bool":
         op = "bit" + op  # bitwise on integers, logical on bools
     if op.startswith("bit") or op.endswith("shift"):
@@ -718,6 +720,26 @@ def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
 
 
 handles(*BINARY_TARGETS)(_binary)
+
+
+def _scalar_to_a_power(tr, base, exponent, shape, dt):
+    """``base ** exponent`` for a positive scalar base other than 1: exp2(exponent *
+    log2(base)), which is exp2 itself for base 2 (as ``ldexp`` spells it: exact at integer
+    exponents) and within a few ulps of eager's powf elsewhere (the product's rounding
+    times the result's exponent; validation judges it). NaN, infinities and zeros of the
+    exponent come out as pow's. Base 1 (1 whatever the exponent, NaN included) and bases
+    of zero or below (signs, exact zeros) stay eager. The base is first rounded to ``dt``
+    (eager's common dtype: 3.14159 ** x in bfloat16 is 3.140625 ** x); the rest is computed
+    in float32 and rounded once to ``dt``."""
+    rounded = torch.tensor(base, dtype=ops.DTYPES[dt]).item()
+    if not (rounded > 0 and rounded != 1 and math.isfinite(rounded)):
+        raise Unsupported(f"pow of the scalar base {base} to a tensor exponent")
+    base = rounded
+    wide = "float64" if dt == "float64" else "float32"
+    v = tr.operand(exponent, shape, wide)
+    if base != 2:
+        v = tr.mk(tr.t.Binary("mul", v, tr.const(math.log2(base), wide)), wide, shape)
+    return Computed(tr.cast(tr.mk(tr.t.Unary("exp2", v), wide, shape), wide, dt, shape), shape, dt)
 
 
 @handles(aten.floor_divide)
