@@ -83,6 +83,18 @@ def test_op(name):
     assert_matches(compiled(*inputs), fn(*inputs))
 
 
+@pytest.mark.parametrize("dim, size, step", [(1, 3, 2), (0, 2, 1), (-1, 5, 1), (2, 1, 3), (1, 9, 4), (0, 4, 4)])
+def test_unfold_is_an_indexed_read(dim, size, step):
+    """``Tensor.unfold``'s windows read at their positions in one kernel, bit for bit
+    eager's values (its view's), special values included."""
+    x = _with_specials((4, 9, 5))
+    f = lambda x: x.unfold(dim, size, step)  # noqa: E731
+    c = eqfuse.compile(f, (x,))
+    assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
+    got, want = c(x), f(x)
+    assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.contiguous().view(torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("base", [2.0, 10.0, 0.5, 3.14159, 1e-3])
 def test_a_positive_scalar_to_a_tensor_power_is_exp2_on_special_values(base, dtype):

@@ -104,6 +104,19 @@ def _flip_as_reads(x, dims):
     return x
 
 
+def _unfold_as_reads(x, dimension, size, step):
+    """``Tensor.unfold``: the windows along ``dimension`` read at their positions (an
+    index_select of window start times ``step`` plus offset, computed as the kernel goes),
+    each window's elements last. A copy where eager returns a view (equal values)."""
+    if x.dim() == 0:
+        return NotImplemented
+    d = dimension % x.dim()
+    n = (x.shape[d] - size) // step + 1
+    start = torch.arange(n, device=x.device)[:, None] * step
+    picked = x.index_select(d, (start + torch.arange(size, device=x.device)[None, :]).reshape(-1))
+    return picked.reshape(tuple(x.shape[:d]) + (n, size) + tuple(x.shape[d + 1:])).movedim(d + 1, -1)
+
+
 def _position_of(x, dim: int | None, keepdim: bool, largest: bool):
     """``argmax`` (``largest``) or ``argmin`` as two reductions a kernel fuses: the row's
     extreme (NaN where the row has one, as torch's), then the first position holding it
@@ -815,7 +828,7 @@ ADDED = {
     aten.cumprod.default: _cumprod_as_row_products,
     aten.cummax.default: _cummax, aten.cummin.default: _cummin, aten.logcumsumexp.default: _logcumsumexp,
     aten.convolution.default: _patches_as_product, aten.convolution_backward.default: _patches_backward,
-    aten.flip.default: _flip_as_reads,
+    aten.flip.default: _flip_as_reads, aten.unfold.default: _unfold_as_reads,
     aten.argmax.default: _argmax, aten.argmin.default: _argmin,
     aten.max.dim: _max_with_index, aten.min.dim: _min_with_index,
     aten.max.default: _max_of_all, aten.min.default: _min_of_all,
