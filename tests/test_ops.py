@@ -95,6 +95,14 @@ def test_unfold_is_an_indexed_read(dim, size, step):
     assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.contiguous().view(torch.int32))
 
 
+def test_unfold_of_a_0d_tensor_is_the_value_as_one_window():
+    x = torch.tensor(-0.0)
+    c = eqfuse.compile(lambda x: x.unfold(0, 1, 1) * 3.0, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got = c(x)
+    assert got.shape == (1,) and torch.signbit(got).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("base", [2.0, 10.0, 0.5, 3.14159, 1e-3])
 def test_a_positive_scalar_to_a_tensor_power_is_exp2_on_special_values(base, dtype):

@@ -107,9 +107,10 @@ def _flip_as_reads(x, dims):
 def _unfold_as_reads(x, dimension, size, step):
     """``Tensor.unfold``: the windows along ``dimension`` read at their positions (an
     index_select of window start times ``step`` plus offset, computed as the kernel goes),
-    each window's elements last. A copy where eager returns a view (equal values)."""
+    each window's elements last. A copy where eager returns a view (equal values). A 0-d
+    tensor is one window of itself."""
     if x.dim() == 0:
-        return NotImplemented
+        return x.reshape(1) if size == 1 else NotImplemented
     d = dimension % x.dim()
     n = (x.shape[d] - size) // step + 1
     start = torch.arange(n, device=x.device)[:, None] * step
