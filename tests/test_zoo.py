@@ -185,9 +185,9 @@ def test_generation_with_a_static_cache_has_a_decode_step_of_kernels_only():
     """torch.compile's recipe for generation: a static cache (fixed shapes, the position a
     runtime value). The decode step writes each layer's k and v at the step's position
     into the cache itself (index_copy made index_put_: frontend/writes.py), not into a
-    new cache copied back; the prompt writes its many positions by a reduction over them
-    and an indexed read (frontend/decompose.py), copied in. No other eager step; every
-    step's logits are eager's."""
+    new cache copied back; the prompt's graph makes the cache, writing its many positions
+    by a reduction over them and an indexed read (frontend/decompose.py). No other eager
+    step; every step's logits are eager's."""
     family = zoo.BY_NAME["llama"]
     model = zoo.family_model(family, layers=LAYERS, device=DEVICE)
     prompt = zoo.inputs(family, model, seq=5)["input_ids"]
