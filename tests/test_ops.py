@@ -120,6 +120,36 @@ def test_a_positive_scalar_to_a_tensor_power_is_exp2_on_special_values(base, dty
     torch.testing.assert_close(got, want, rtol=rtol, atol=1e-37, equal_nan=True)
 
 
+POWER_VALUES = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0, -3.0,
+                2.5, -2.5, 1e-40, -1e-40, 1e30, 0.3, 127.5, -127.0, 200.0]
+
+
+@pytest.mark.parametrize("dtype, exponent_dtype", [(torch.float32, None), (torch.float16, None),
+                                                   (torch.bfloat16, None), (torch.float32, torch.int32)])
+def test_a_tensor_to_a_tensor_power_is_cs_pow_on_every_pair_of_special_values(dtype, exponent_dtype):
+    """``x ** y`` of two tensors: the magnitude as exp2(y log2|x|), the signs, NaN, ones,
+    zeros and infinities as C's pow gives them (eager's), on every pair of special values."""
+    import itertools
+    pairs = list(itertools.product(POWER_VALUES, POWER_VALUES))
+    x = torch.tensor([a for a, _ in pairs]).to(dtype)
+    y = torch.tensor([b for _, b in pairs])
+    if exponent_dtype is not None:
+        y = y.nan_to_num(0.0, 1e6, -1e6).clamp(-300, 300).to(exponent_dtype)
+    else:
+        y = y.to(dtype)
+    c = eqfuse.compile(torch.pow, (x, y))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(x, y), torch.pow(x, y)
+    assert got.dtype == want.dtype
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), \
+        [(a, b, g, w) for a, b, g, w in zip(x.tolist(), y.tolist(), got.tolist(), want.tolist())
+         if (g != g) != (w != w) or (abs(g) == float("inf")) != (abs(w) == float("inf"))][:5]
+    kept = ~want.isnan()
+    assert torch.equal(torch.signbit(got[kept]), torch.signbit(want[kept]))
+    rtol = 1e-5 if dtype == torch.float32 else {torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-37, equal_nan=True)
+
+
 @pytest.mark.parametrize("base", [1.0, 0.0, -2.0, 1.0 + 2 ** -30])
 def test_a_scalar_base_of_one_or_below_stays_eager_with_its_reason(base):
     x = torch.tensor([float("nan"), float("inf"), 2.0, -0.5, 0.0, 3.0])

@@ -774,6 +774,27 @@ def _dist(x, other, p=2):
     return torch.linalg.vector_norm(x - other, p)
 
 
+def _pow_tensors(x, y):
+    """``pow`` of a tensor to a tensor power with a float result, as C's pow (eager's):
+    the magnitude exp2(y log2|x|), within a few ulps of powf (the product's rounding times
+    the result's exponent); negative where x is negative (or -0.0) and y an odd integer;
+    NaN where a finite negative x meets a finite y that is no integer; 1 where y is 0 or x
+    is 1 (NaN included) and where |x| is 1 and y infinite. Computed in float32 (float64
+    for float64) and rounded once to the result's dtype."""
+    dtype = torch.result_type(x, y)
+    if not dtype.is_floating_point:
+        return NotImplemented
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    x, y = x.to(wide), y.to(wide)
+    size = x.abs()
+    magnitude = torch.exp2(y * torch.log2(size))
+    integer = torch.trunc(y) == y
+    odd = integer & (y - 2 * torch.floor(y * 0.5) == 1)
+    out = torch.where(torch.signbit(x) & odd, -magnitude, magnitude)
+    out = torch.where((x < 0) & torch.isfinite(x) & torch.isfinite(y) & ~integer, math.nan, out)
+    return torch.where((y == 0) | (x == 1) | ((size == 1) & torch.isinf(y)), 1.0, out).to(dtype)
+
+
 def _ldexp(x, other):
     """``ldexp`` of a float32 or half-precision ``x`` by integer exponents, exact as eager's
     (a true ldexp, not ``x * 2.0 ** other``: ldexp(0, 140) is 0, ldexp(1e-40, 140) finite,
@@ -850,7 +871,7 @@ ADDED = {
     aten.scatter_add.default: _scatter_add, aten.scatter_reduce.two: _scatter_reduce,
     aten.index_reduce.default: _index_reduce, aten.put.default: _put, aten.masked_scatter.default: _masked_scatter,
     aten.round.decimals: _round_decimals, aten.angle.default: _angle, aten.addbmm.default: _addbmm,
-    aten.dist.default: _dist, aten.ldexp.Tensor: _ldexp,
+    aten.dist.default: _dist, aten.ldexp.Tensor: _ldexp, aten.pow.Tensor_Tensor: _pow_tensors,
     aten._cdist_forward.default: _cdist, aten._pdist_forward.default: _pdist,
     aten.diagonal_scatter.default: _diagonal_scatter, aten.as_strided_scatter.default: _as_strided_scatter,
     aten.topk.default: _topk,
