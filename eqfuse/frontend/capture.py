@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..errors import CaptureError
 from . import decompose
-from .writes import reinplaced
+from .writes import in_place, reinplaced
 
 
 def decomposition_table() -> dict:
@@ -223,8 +223,7 @@ class CapturedGraph:
 
 
 def _mutates(gm: torch.fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)
-               for n in gm.graph.nodes)
+    return any(in_place(n) for n in gm.graph.nodes)
 
 
 def _functionalised(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:

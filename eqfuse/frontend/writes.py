@@ -31,6 +31,11 @@ IN_PLACE = {
 }
 
 
+def in_place(node: fx.Node) -> bool:
+    """Whether ``node`` calls an op that writes one of its arguments (a mutable schema)."""
+    return node.op == "call_function" and getattr(getattr(node.target, "_schema", None), "is_mutable", False)
+
+
 def writes_first_argument(target) -> bool:
     """Whether ``target`` is an op that writes its first argument and nothing else."""
     schema = getattr(target, "_schema", None)
@@ -64,7 +69,7 @@ def mutation_problem(gm: fx.GraphModule) -> str | None:
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     for n in nodes:
-        if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False):
+        if in_place(n):
             x = written_input(n)
             if x is None:
                 return f"in-place op {n.target} on a value computed in the graph (mutation of inputs only)"

@@ -123,7 +123,7 @@ def unrecordable(steps, dtypes: dict | None = None) -> str | None:
             return f"its eager step {step.node} (index_put_) accumulates, sorting its indices"
         if arguments.get("scale_grad_by_freq"):
             return f"its eager step {step.node} ({name}) counts the indices on the host (scale_grad_by_freq)"
-        indices = arguments.get("indices") or () if name in ("index", "index_put_") else ()
+        indices = (arguments.get("indices") or ()) if name in ("index", "index_put_") else ()
         if not all(_integer(i, dtypes or {}) for i in indices if i is not None):
             return f"its eager step {step.node} ({name}) may take a bool mask, which waits for the GPU (nonzero)"
     return None
@@ -301,8 +301,6 @@ class GraphReplayer:
                 continue
             kept[position] = None
         return _Recording(graph, kept, owned, storages, copied_inputs=copied_inputs, aliases=aliases)
-
-
 
 
 def _copyable(inputs, positions: tuple, count: int, budget: int) -> bool:
