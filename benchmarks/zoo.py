@@ -402,7 +402,8 @@ def main():
             t0 = time.perf_counter()
             rows.append(run_family(zoo.BY_NAME[name], mode, args))
             print(f"{name} {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
-            save_results(args.out, rows, summary=summary(rows), layers=args.layers, autotune=args.autotune)
+            save_results(args.out, rows, summary=summary(rows), layers=args.layers, autotune=args.autotune,
+                         transformers=zoo._transformers().__version__)
     print(table(rows))
     print(summary(rows))
 

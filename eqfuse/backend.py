@@ -323,6 +323,8 @@ def eqfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     # update in place: frontend/writes.py) instead of returning new values copied back after
     backend = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=compiler,
                            partition_fn=partition, keep_inference_input_mutations=True)
+    from .frontend.masks import without_constant_masks
+    gm = without_constant_masks(gm)  # a mask that keeps every key: the fused attention, as in eager
     if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in example_inputs):
         from .frontend.capture import plain_bool_masked_attention
         gm = plain_bool_masked_attention(gm)

@@ -466,3 +466,78 @@ def test_an_unknown_mode_is_named():
     with pytest.raises(Exception, match="fastest-please"):
         fn(torch.randn(3))
 
+
+
+def _dynamo_graph(f, *inputs) -> torch.fx.GraphModule:
+    """dynamo's graph of ``f`` at ``inputs`` (as a backend receives it)."""
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+    torch._dynamo.reset()
+    torch.compile(f, backend=keep)(*inputs)
+    (gm,) = graphs
+    return gm
+
+
+def _masks(gm) -> list:
+    from eqfuse.frontend.masks import _arguments, _sdpa
+    return [_arguments(n)["attn_mask"] for n in gm.graph.nodes if _sdpa(n)]
+
+
+def _masked_attention(make_mask):
+    def f(q, k, v, x):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=make_mask(x))
+    return f
+
+
+MASKS_KEPT = {  # masks that mask something, or that are not constants of the graph
+    "causal": lambda x: torch.ones(6, 6, dtype=torch.bool).tril(),
+    "an input": lambda x: x > 0,
+    "random, though all True": lambda x: torch.rand(6, 6) >= 0,  # dropping it would move later draws
+    "a float bias": lambda x: torch.full((6, 6), -1.0),
+}
+MASKS_DROPPED = {
+    "all True from index arithmetic": lambda x: (torch.arange(6) + 0 >= 0)[None, None, None, :].expand(2, 1, 6, 6),
+    "zeros added": lambda x: torch.zeros(1, 1, 6, 6),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS_KEPT) + list(MASKS_DROPPED))
+def test_a_constant_mask_that_keeps_every_key_is_dropped(name):
+    """transformers builds an all-True mask under torch.compile where eager passes none
+    (ViT); the fused attention refuses it, and AOTAutograd would trace the float32 math
+    path. Such a mask (and only such) is dropped from dynamo's graph, the graph itself
+    left as it was, and the attention computes what it did."""
+    from eqfuse.frontend.masks import without_constant_masks
+    q, k, v = (torch.randn(2, 3, 6, 4) for _ in range(3))
+    x = torch.randn(6, 6)
+    f = _masked_attention({**MASKS_KEPT, **MASKS_DROPPED}[name])
+    gm = _dynamo_graph(f, q, k, v, x)
+    rng = torch.get_rng_state()
+    out = without_constant_masks(gm)
+    assert torch.equal(torch.get_rng_state(), rng)  # computing the mask drew nothing from the user's stream
+    assert all(m is not None for m in _masks(gm))
+    if name in MASKS_KEPT:
+        assert out is gm
+        return
+    assert _masks(out) == [None]
+    assert not [n for n in out.graph.nodes if n.op == "call_function" and n.target is torch.arange]
+    kept = len([n for n in out.graph.nodes if n.op == "placeholder"])  # dynamo leaves out an unread x
+    torch.testing.assert_close(out(*(q, k, v, x)[:kept])[0], f(q, k, v, x), rtol=1e-5, atol=1e-6)
+
+
+def test_training_attention_with_an_all_true_mask_matches_eager():
+    """Through the backend in a training step: values and gradients as eager's."""
+    f = _masked_attention(MASKS_DROPPED["all True from index arithmetic"])
+    leaves = [torch.randn(2, 3, 6, 4, requires_grad=True) for _ in range(3)]
+    x = torch.randn(6, 6)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="eqfuse")(*leaves, x)
+    got_grads = torch.autograd.grad(got.square().sum(), leaves)
+    want = f(*leaves, x)
+    want_grads = torch.autograd.grad(want.square().sum(), leaves)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
