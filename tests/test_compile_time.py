@@ -26,7 +26,7 @@ def _gpt2_build(monkeypatch, memo: bool):
 def test_shared_shape_vectors_give_the_same_egraph_and_plan(monkeypatch):
     memo, model, x = _gpt2_build(monkeypatch, memo=True)
     plain, _, _ = _gpt2_build(monkeypatch, memo=False)
-    assert memo.source == plain.source
+    assert memo.source == plain.source, (memo.fallbacks, plain.fallbacks, plain.report.get("stop_reason"))
     s, p = memo.report["saturation"], plain.report["saturation"]
     assert (s["enodes"], s["eclasses"], s["rules_fired"]) == (p["enodes"], p["eclasses"], p["rules_fired"])
     torch.testing.assert_close(memo(x), model(x), rtol=1e-4, atol=1e-4)
