@@ -845,18 +845,110 @@ def test_integer_division_by_a_constant(kind, divisor, dtype):
     assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
 
 
-@pytest.mark.parametrize("case", ["a tensor divisor", "floats"])
+@pytest.mark.parametrize("case", ["a tensor divisor", "float64"])
 def test_divisions_without_a_kernel_form_stay_eager_with_their_reason(case):
-    """A tensor divisor (eager raises at a zero on the CPU, a kernel would hand back a
-    number) and float remainders (no exact fmod on a GPU) run in eager, saying so."""
+    """A tensor divisor of integers (eager raises at a zero on the CPU, a kernel would hand
+    back a number) and float64 remainders (the kernel form divides float32's significands)
+    run in eager, saying so."""
     x = torch.tensor([7, -7, 6], dtype=torch.int64)
     fn, inputs, why = {
         "a tensor divisor": (lambda x, y: x // y + 1, (x, torch.tensor([2, 3, -4])), "by a tensor"),
-        "floats": (lambda x: torch.remainder(x, 0.3) + 1, (x.float(),), "on float32"),
+        "float64": (lambda x: torch.remainder(x, 0.3) + 1, (x.double(),), "on float64"),
     }[case]
     c = eqfuse.compile(fn, inputs)
     assert any(why in f.reason for f in c.fallbacks), c.explain()
     torch.testing.assert_close(c(*inputs), fn(*inputs))
+
+
+FLOAT_DIVISIONS = {"fmod": torch.fmod, "remainder": torch.remainder, "%": lambda a, b: a % b,
+                   "floor": lambda a, b: torch.div(a, b, rounding_mode="floor"), "//": lambda a, b: a // b}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(FLOAT_DIVISIONS))
+def test_float_remainders_and_floor_division_are_exact(kind, dtype):
+    """fmod of floats by the long division of their significands, exact (a GPU's frem is
+    not), and Python's remainder and floor division from it as torch computes them: every
+    pair of NaN, infinities, signed zeros, denormals and the largest floats, and quotients
+    over sixty decades, bit for bit. Where a / b overflows, the CPU's eager fmod gives NaN
+    (it divides); C's fmod, and the kernel, give the exact remainder. Narrow floats are
+    computed in float32 and rounded once (the CPU's eager floor division of float16
+    rounds each step: -16800 // 11.86 is -1418 there, -1417 here and in float32)."""
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0, 0.5,
+               -2.5, 1e-20, 7.0, 1e-45, 3.0]
+    g = torch.Generator().manual_seed(0)
+    spread = [torch.randn(1500, generator=g) * 10.0 ** torch.randint(-30, 30, (1500,), generator=g) for _ in "ab"]
+    a = torch.cat([torch.tensor(special).repeat_interleave(len(special)), spread[0]]).to(dtype)
+    b = torch.cat([torch.tensor(special).repeat(len(special)), spread[1]]).to(dtype)
+    fn = FLOAT_DIVISIONS[kind]
+    c = eqfuse.compile(lambda a, b: fn(a, b), (a.abs() + 1, b.abs() + 1))  # checked where eager divides in range
+    assert c.kernels and not c.fallbacks, c.explain()
+    got = c(a, b)
+    wide, exact = fn(a.float(), b.float()), torch.fmod(a.double(), b.double()).to(dtype)
+    overflow = (a.double() / b.double()).abs() > torch.finfo(torch.float32).max
+    overflow &= a.isfinite() & b.isfinite() & (b != 0)
+    if kind == "fmod":
+        want = exact  # exact in float64 too, and representable
+    else:
+        want = wide.to(dtype) if dtype != torch.float32 else fn(a, b)
+        got, want = got[~overflow], want[~overflow]
+    assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+    same = got.float().view(torch.int32) == want.float().view(torch.int32)
+    assert bool((same | got.isnan()).all()), (a[~overflow][~same][:4] if kind != "fmod" else a[~same][:4],
+                                              got[~same][:4], want[~same][:4])
+
+
+BIT_SPECIALS = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 1e-45, -1e-45,
+                3.4028235e38, -3.4028235e38, 1.0, -1.0, 0.5, -2.5, 1e-20, 7.0, 1.1754944e-38]
+
+
+def test_nextafter_steps_the_bits_as_eager():
+    """Every pair of NaN, infinities, signed zeros, denormals (the smallest among them),
+    the largest and the smallest normal floats: the float next to a toward b, bit for bit."""
+    a = torch.tensor(BIT_SPECIALS).repeat_interleave(len(BIT_SPECIALS))
+    b = torch.tensor(BIT_SPECIALS).repeat(len(BIT_SPECIALS))
+    c = eqfuse.compile(torch.nextafter, (a, b))
+    assert c.kernels and not c.fallbacks, c.explain()
+    got, want = c(a, b), torch.nextafter(a, b)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_frexp_is_exact_as_eagers(dtype):
+    """Mantissa and exponent of special values and of floats over eighty decades (denormals
+    included), bit for bit: zeros, infinities and NaN their own mantissa with exponent 0."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor(BIT_SPECIALS), torch.randn(2000, generator=g) * 10.0 ** torch.randint(
+        -44, 38, (2000,), generator=g)]).to(dtype)
+    c = eqfuse.compile(torch.frexp, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    (mantissa, exponent), (want_m, want_e) = c(x), torch.frexp(x)
+    assert mantissa.dtype == dtype and torch.equal(exponent, want_e)
+    assert torch.equal(mantissa.isnan(), want_m.isnan())
+    finite = ~want_m.isnan()
+    assert torch.equal(mantissa[finite].float().view(torch.int32), want_m[finite].float().view(torch.int32))
+
+
+ALLOCATIONS = {"empty_like": lambda x: torch.empty_like(x), "empty": lambda x: torch.empty(2, 3, dtype=torch.int64),
+               "new_empty_strided": lambda x: x.new_empty_strided((2, 3), (1, 2)),
+               "empty_permuted": lambda x: torch.empty_permuted((2, 3, 4), (2, 0, 1))}
+
+
+@pytest.mark.parametrize("name", list(ALLOCATIONS))
+def test_an_allocation_is_no_kernel_and_no_eager_step(name):
+    """An op that allocates and leaves the memory as it is (``empty_like``: Mixtral's router
+    fills one) computes nothing: no kernel, no eager step; the tensor has eager's shape,
+    dtype and strides. What is written into it afterwards compiles around it."""
+    x = torch.randn(3, 4)
+    fn = ALLOCATIONS[name]
+    c = eqfuse.compile(fn, (x,))
+    assert not c.kernels and not c.fallbacks and c.empty_tensors, c.explain()
+    got, want = c(x), fn(x)
+    assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+    filled = eqfuse.compile(lambda x: torch.empty_like(x).copy_(x * 2) + 1, (x,))
+    assert filled.kernels and not filled.fallbacks, filled.explain()
+    torch.testing.assert_close(filled(x), x * 2 + 1)
 
 
 def test_integer_division_by_zero_raises_as_eager_does():

@@ -21,11 +21,11 @@ from eqfuse.frontend.repeats import MIN_BLOCKS
 from eqfuse.runtime.layered import LayeredGraph
 
 # Per family, the ops that run as eager steps (ops with no kernel form yet). A tensor with
-# no elements (the cache's first keys) is an allocation, not an eager step.
+# no elements (the cache's first keys), or one left unwritten (empty_like), is an allocation, not an eager step.
 EAGER_OPS = {
     "llama": set(), "qwen2": set(), "mistral": set(), "gpt2": set(), "phi3": set(), "gemma2": set(),
     "gpt_neox": set(), "opt": set(),
-    "mixtral": {"empty_permuted", "grouped_mm_fallback", "sort"},
+    "mixtral": {"grouped_mm_fallback", "sort"},
     "bert": set(), "roberta": set(), "t5": set(), "bart": set(),
     "vit": set(),
 }

@@ -813,6 +813,21 @@ def _ldexp(x, other):
     return out.to(x.dtype)
 
 
+def _frexp(x):
+    """``frexp``: x as a mantissa of magnitude in [0.5, 1), of x's sign, times 2 to an
+    int32 exponent; a zero, an infinity or a NaN is its own mantissa, with exponent 0 (as
+    C's frexp in glibc, which eager calls). The exponent from log2|x| (within one of the
+    true one, a denormal's included), corrected by the exact ldexp of x by its negation."""
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return NotImplemented
+    wide = x.float()
+    special = (wide == 0) | ~wide.isfinite()
+    e = torch.where(special, 0.0, torch.floor(torch.log2(wide.abs())) + 1).to(torch.int32)
+    m = _ldexp(wide, -e)
+    e = e + ((m.abs() >= 1).to(torch.int32) - (m.abs() < 0.5).to(torch.int32)) * (~special).to(torch.int32)
+    return torch.where(special, wide, _ldexp(wide, -e)).to(x.dtype), e
+
+
 def _cdist(x1, x2, p, compute_mode=None):
     """``cdist``: the p-norm of each pair's difference (a reduction over the broadcast
     differences, computed directly: eager's products for large Euclidean inputs
@@ -871,7 +886,7 @@ ADDED = {
     aten.scatter_add.default: _scatter_add, aten.scatter_reduce.two: _scatter_reduce,
     aten.index_reduce.default: _index_reduce, aten.put.default: _put, aten.masked_scatter.default: _masked_scatter,
     aten.round.decimals: _round_decimals, aten.angle.default: _angle, aten.addbmm.default: _addbmm,
-    aten.dist.default: _dist, aten.ldexp.Tensor: _ldexp, aten.pow.Tensor_Tensor: _pow_tensors,
+    aten.dist.default: _dist, aten.ldexp.Tensor: _ldexp, aten.frexp.Tensor: _frexp, aten.pow.Tensor_Tensor: _pow_tensors,
     aten._cdist_forward.default: _cdist, aten._pdist_forward.default: _pdist,
     aten.diagonal_scatter.default: _diagonal_scatter, aten.as_strided_scatter.default: _as_strided_scatter,
     aten.topk.default: _topk,

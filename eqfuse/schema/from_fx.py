@@ -233,7 +233,10 @@ class Translator:
         handler = _handler(node.target)
         out = _meta(node)
         if handler is not None and _no_elements(out):
-            self._empty(node, out)
+            self._empty(node, out, f"has no elements (shape {tuple(out.shape)}): an empty tensor, nothing to compute")
+            return
+        if getattr(node.target, "overloadpacket", None) in ALLOCATIONS and isinstance(out, torch.Tensor):
+            self._empty(node, out, "allocates memory it leaves as it is: nothing to compute")
             return
         try:
             if handler is None:
@@ -266,17 +269,18 @@ class Translator:
             return type(a)(self._resolve(x) for x in a)
         return a
 
-    def _empty(self, node, meta):
-        """A value with no elements: nothing to compute, so no kernel; the step that stands
-        for it allocates an empty tensor of its shape, dtype and strides. A concatenation
-        leaves it out (transformers' ``DynamicCache`` starts each layer's keys as
-        ``torch.tensor([])``); any other kernel reading it runs in eager."""
+    def _empty(self, node, meta, reason: str):
+        """A value with no elements, or an allocation whose contents are left undefined
+        (``torch.empty``, ``empty_like``, ``new_empty_strided``): nothing to compute, so no
+        kernel; the step that stands for it allocates a tensor of its shape, dtype and
+        strides. A concatenation leaves one with no elements out (transformers'
+        ``DynamicCache`` starts each layer's keys as ``torch.tensor([])``); any other
+        kernel reading it runs in eager."""
         j = len(self.fallbacks)
         name = f"ext{j}_0"
         dt = self._dtype(meta)
         shape = tuple(meta.shape)
         target = EmptyTensor(shape, tuple(meta.stride()), meta.dtype, str(meta.device))
-        reason = f"has no elements (shape {shape}): an empty tensor, nothing to compute"
         self.fallbacks.append(Fallback(node.name, target, (), {}, reason, [name], False, [(shape, dt)]))
         self.env[node] = BufferView(name, shape, tuple(meta.stride()), 0, dt, foldable=False)
 
@@ -540,10 +544,15 @@ def _memory_order(x, layout):
     return x.permute(sorted(range(x.dim()), key=lambda d: (-layout[1][d], d)))
 
 
+# Ops that allocate a tensor and leave its contents undefined: a step that allocates it
+ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_permuted, aten.empty_strided, aten.new_empty,
+               aten.new_empty_strided}
+
+
 @dataclass(frozen=True)
 class EmptyTensor:
-    """The step for a value with no elements: an empty tensor of its shape, strides,
-    dtype and device (no kernel, no data)."""
+    """The step for a value with no elements, or an allocation left as it is: a tensor of
+    its shape, strides, dtype and device (no kernel, no data written)."""
     shape: tuple
     strides: tuple
     dtype: torch.dtype
@@ -691,6 +700,8 @@ def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
     shape, dt = _out(node)
     if op == "div" and rounding_mode is not None and not ops.is_float(dt):
         return _int_division(tr, node, a, b, "floor" if rounding_mode == "floor" else "trunc")
+    if rounding_mode == "floor":
+        return _float_division(tr, node, a, b, "floordiv")
     if rounding_mode is not None and not (rounding_mode == "trunc" and ops.is_float(dt)):
         raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
     if op == "pow" and isinstance(a, (int, float)) and not isinstance(b, (int, float)) and ops.is_float(dt):
@@ -744,12 +755,28 @@ def _scalar_to_a_power(tr, base, exponent, shape, dt):
 
 @handles(aten.floor_divide)
 def _floor_divide(tr, node, a, b):
+    if ops.is_float(_out(node)[1]):
+        return _float_division(tr, node, a, b, "floordiv")
     return _int_division(tr, node, a, b, "floor")
 
 
 @handles(aten.remainder, aten.fmod)
 def _remainder(tr, node, a, b):
-    return _int_division(tr, node, a, b, "fmod" if node.target.overloadpacket is aten.fmod else "remainder")
+    kind = "fmod" if node.target.overloadpacket is aten.fmod else "remainder"
+    if ops.is_float(_out(node)[1]):
+        return _float_division(tr, node, a, b, kind)
+    return _int_division(tr, node, a, b, kind)
+
+
+def _float_division(tr, node, a, b, op: str):
+    """Floats' ``fmod``, ``remainder`` or ``floordiv`` (a division rounded down), exact as
+    torch's (schema/ops.py: the significands' long division), for float32 and the narrower
+    floats, which are exact in float32."""
+    shape, dt = _out(node)
+    if dt == "float64":
+        raise Unsupported(f"{op} on float64 (its kernel form divides float32's significands)")
+    va, vb = tr.operand(a, shape, dt), tr.operand(b, shape, dt)
+    return Computed(tr.mk(tr.t.Binary(op, va, vb), dt, shape), shape, dt)
 
 
 def _int_division(tr, node, a, b, kind: str):
@@ -757,11 +784,10 @@ def _int_division(tr, node, a, b, kind: str):
     zero (``trunc``) or down (``floor``), the remainder of a's sign (``fmod``) or of b's
     (``remainder``, Python's), as torch computes them, from C's quotient and remainder
     (Triton's // and %). A divisor that is a tensor stays eager: at a zero, eager raises
-    on the CPU, where a kernel would hand back a number. Floats stay eager too: their
-    remainder needs an exact fmod, which a GPU's frem is not."""
+    on the CPU, where a kernel would hand back a number. Floats: ``_float_division``."""
     shape, dt = _out(node)
-    if ops.is_float(dt) or dt == "bool":
-        raise Unsupported(f"{kind} on {dt} (an exact float remainder has no kernel form yet)")
+    if dt == "bool":
+        raise Unsupported(f"{kind} on bool")
     if isinstance(b, bool) or not isinstance(b, int) or b == 0:
         raise Unsupported(f"{kind} by {'a tensor' if not isinstance(b, (int, float)) else repr(b)}: integer "
                           "division by a nonzero constant only (at a zero divisor eager raises)")
@@ -793,6 +819,16 @@ def _where(tr, node, c, a, b):
     shape, dt = _out(node)
     vc = tr.operand(c, shape, "bool")
     return Computed(tr.mk(tr.t.Where(vc, tr.operand(a, shape, dt), tr.operand(b, shape, dt)), dt, shape),
+                    shape, dt)
+
+
+@handles(aten.nextafter)
+def _nextafter(tr, node, a, b):
+    """The float next to a toward b, by its bits (float32: a narrower float's next is its own)."""
+    shape, dt = _out(node)
+    if dt != "float32":
+        raise Unsupported(f"nextafter on {dt} (its kernel form steps float32's bits)")
+    return Computed(tr.mk(tr.t.Binary("nextafter", tr.operand(a, shape, dt), tr.operand(b, shape, dt)), dt, shape),
                     shape, dt)
 
 

@@ -172,6 +172,58 @@ ATAN2 = (("x", "tl.abs({a}) / tl.abs({b})"), *_ATAN,
     "tl.where({a} < 0.0, {m} * -1.0, tl.where({a} == 0.0, tl.where(1.0 / {a} < 0.0, {m} * -1.0, {m}), {m}))"
 
 
+def _fmod_steps() -> tuple:
+    """The steps of fmod(a, b) of float32 values, exact (a GPU's frem is not), into ``f``:
+    |a| = ma 2^ea and |b| = mb 2^eb with integers of 24 bits, the remainder is that of ma
+    2^(ea - eb) by mb, times 2^eb, with a's sign. The long division shifts 32 bits at a time
+    in int64 (eight steps cover float32's exponents). NaN where b is 0 or a infinite (or
+    either NaN); a where |a| < |b| (an infinite b among them)."""
+    exponent, significand = "((({x} >> 23) & 255))", "((({x} & 8388607) | tl.where((({x} >> 23) & 255) == 0, 0, 8388608))"
+    steps = [("a", "tl.cast({a}, tl.float32)"), ("b", "tl.cast({b}, tl.float32)"),  # a literal becomes a value
+             ("p", "{a}.to(tl.int32, bitcast=True)"), ("q", "{b}.to(tl.int32, bitcast=True)"),
+             # a denormal's exponent is the smallest normal one's, without the implicit bit
+             ("d", f"(tl.maximum({exponent.format(x='{p}')}, 1) - tl.maximum({exponent.format(x='{q}')}, 1))"
+                   ".to(tl.int64)"),
+             ("k", f"tl.maximum({exponent.format(x='{q}')}, 1) - 150"),
+             ("ma", significand.format(x="{p}") + ").to(tl.int64)"),
+             ("mb", significand.format(x="{q}") + ").to(tl.int64)"),
+             ("mb", "tl.where({mb} == 0, 1, {mb})"),
+             ("r", "{ma} % {mb}")]
+    steps += [("r", f"({{r}} << tl.minimum(tl.maximum({{d}} - {32 * i}, 0), 32)) % {{mb}}") for i in range(8)]
+    steps += [  # 2^k (k = eb - 150) from its bits, normal or denormal; r 2^k is exact (it is a multiple of
+        # b's last place below |b|)
+        ("s", "tl.where({k} >= -126, ({k} + 127) << 23, 1 << tl.maximum({k} + 149, 0)).to(tl.float32, bitcast=True)"),
+        ("f", "{r}.to(tl.float32) * {s}"),
+        ("f", "(({f}.to(tl.int32, bitcast=True) & 2147483647) | ({p} & (-2147483647 - 1))).to(tl.float32, bitcast=True)"),
+        ("f", "tl.where({d} < 0, {a}, {f})"),
+        ("f", "tl.where({a} != {a}, {a}, tl.where({b} != {b}, {b}, tl.where({b} == 0.0, float('nan'), "
+              "tl.where(tl.abs({a}) == float('inf'), float('nan'), {f}))))")]
+    return tuple(steps)
+
+
+FMOD = _fmod_steps(), "{f}"
+# Python's remainder, as torch computes it: fmod, plus b where it is nonzero and of the
+# other sign than b
+REMAINDER = FMOD[0], "tl.where({f} != 0.0, tl.where(({b} < 0.0) != ({f} < 0.0), {f} + {b}, {f}), {f})"
+# floor division, as torch computes it (div_floor_floating): (a - fmod(a, b)) / b, one
+# less where that remainder is of the other sign than b, then floored and rounded to the
+# nearer whole; a zero of a / b's sign where the quotient is 0; a / b where b is 0
+FLOOR_DIVIDE = (*FMOD[0], ("t", "({a} - {f}) / {b}"),
+                ("t", "tl.where({f} != 0.0, tl.where(({b} < 0.0) != ({f} < 0.0), {t} - 1.0, {t}), {t})"),
+                ("g", "tl.floor({t})"), ("g", "tl.where({t} - {g} > 0.5, {g} + 1.0, {g})"),
+                ("z", "(({a} / {b}).to(tl.int32, bitcast=True) & (-2147483647 - 1)).to(tl.float32, bitcast=True)")), \
+    "tl.where({b} == 0.0, {a} / {b}, tl.where({t} != 0.0, {g}, {z}))"
+
+# nextafter(a, b), float32: a's bits one step further from zero where b lies beyond a
+# from zero, one step nearer otherwise (-0.0's bits are a zero's too); from a zero, the
+# smallest denormal of b's sign; b where they are equal, NaN where either is
+NEXTAFTER = (("p", "tl.cast({a}, tl.float32).to(tl.int32, bitcast=True)"),
+             ("q", "tl.cast({b}, tl.float32).to(tl.int32, bitcast=True)"),
+             ("n", "tl.where(({b} > {a}) == ({a} > 0.0), {p} + 1, {p} - 1).to(tl.float32, bitcast=True)"),
+             ("z", "(({q} & (-2147483647 - 1)) | 1).to(tl.float32, bitcast=True)")), \
+    "tl.where({a} != {a}, {a}, tl.where({b} != {b}, {b}, tl.where({a} == {b}, {b}, tl.where({a} == 0.0, {z}, {n}))))"
+
+
 BINARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("add", torch.add, "({a} + {b})"),
     OpDef("sub", torch.sub, "({a} - {b})"),
@@ -192,12 +244,17 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
           "(tl.cast({b}, tl.float32).to(tl.int32, bitcast=True) & (-0x7FFFFFFF - 1))).to(tl.float32, bitcast=True))",
           0.5),
     _stepped("hypot", torch.hypot, HYPOT, 3),
+    _stepped("nextafter", torch.nextafter, NEXTAFTER, 2),
     _stepped("atan2", torch.atan2, ATAN2, 5),
     # On integers: C's quotient toward zero and remainder of the dividend's sign (Triton's
     # // and %, as LLVM's sdiv and srem); floor division and Python's remainder are built
     # from them (schema/from_fx.py, _int_division)
     OpDef("idiv", lambda a, b: torch.div(a, b, rounding_mode="trunc"), "({a} // {b})"),
     OpDef("irem", torch.fmod, "({a} % {b})"),
+    # On floats (float32 and narrower, computed in float32), exact: the significands' long division
+    _stepped("fmod", torch.fmod, FMOD, 12),
+    _stepped("remainder", torch.remainder, REMAINDER, 13),
+    _stepped("floordiv", lambda a, b: torch.div(a, b, rounding_mode="floor"), FLOOR_DIVIDE, 16),
     OpDef("eq", torch.eq, "({a} == {b})"),
     OpDef("ne", torch.ne, "({a} != {b})"),
     OpDef("lt", torch.lt, "({a} < {b})"),
