@@ -178,7 +178,8 @@ def _fmod_steps() -> tuple:
     2^(ea - eb) by mb, times 2^eb, with a's sign. The long division shifts 32 bits at a time
     in int64 (eight steps cover float32's exponents). NaN where b is 0 or a infinite (or
     either NaN); a where |a| < |b| (an infinite b among them)."""
-    exponent, significand = "((({x} >> 23) & 255))", "((({x} & 8388607) | tl.where((({x} >> 23) & 255) == 0, 0, 8388608))"
+    exponent = "((({x} >> 23) & 255))"
+    significand = "((({x} & 8388607) | tl.where((({x} >> 23) & 255) == 0, 0, 8388608))"
     steps = [("a", "tl.cast({a}, tl.float32)"), ("b", "tl.cast({b}, tl.float32)"),  # a literal becomes a value
              ("p", "{a}.to(tl.int32, bitcast=True)"), ("q", "{b}.to(tl.int32, bitcast=True)"),
              # a denormal's exponent is the smallest normal one's, without the implicit bit
@@ -194,7 +195,8 @@ def _fmod_steps() -> tuple:
         # b's last place below |b|)
         ("s", "tl.where({k} >= -126, ({k} + 127) << 23, 1 << tl.maximum({k} + 149, 0)).to(tl.float32, bitcast=True)"),
         ("f", "{r}.to(tl.float32) * {s}"),
-        ("f", "(({f}.to(tl.int32, bitcast=True) & 2147483647) | ({p} & (-2147483647 - 1))).to(tl.float32, bitcast=True)"),
+        ("f", "(({f}.to(tl.int32, bitcast=True) & 2147483647) | ({p} & (-2147483647 - 1)))"
+              ".to(tl.float32, bitcast=True)"),
         ("f", "tl.where({d} < 0, {a}, {f})"),
         ("f", "tl.where({a} != {a}, {a}, tl.where({b} != {b}, {b}, tl.where({b} == 0.0, float('nan'), "
               "tl.where(tl.abs({a}) == float('inf'), float('nan'), {f}))))")]
