@@ -25,7 +25,8 @@ torch._dynamo.reset), the memory peak of a call, and for eqfuse the kernels and 
 steps of its graphs; with ``--profile``, each contender's GPU kernels per call
 (torch.profiler), most time first, and its host's side of a call (``host_table``).
 eqfuse compiles with autotune off (the tile model's first choice) unless
-``--autotune``. The last lines printed are the summary table and the geomeans.
+``--autotune``. ``benchmarks/zoo_wheels.sh`` gathers the wheels a GPU machine needs
+(egglog, and transformers at the dev extra's pin). The last lines printed are the summary table and the geomeans.
 """
 
 from __future__ import annotations
