@@ -484,3 +484,27 @@ def test_extraction_weighs_cublas_on_plain_products(tokens, plain):
         counts[weighed] = len(plan.library_calls)
     # the gate's and up's products, the down projection with the residual added (addmm)
     assert counts[True] == (3 if plain else 1) and counts[False] == (2 if plain else 1), counts
+
+
+def _float32_scores(q, k):
+    return (q.float() * 0.125) @ k.float().transpose(-1, -2)
+
+
+def test_float32_products_go_to_cublas_where_its_sgemm_wins():
+    """IEEE float32 products (no TF32) run about 5-7 TFLOP/s generated and twice that in
+    cuBLAS's SGEMM (ViT's float32 attention products on an H200): where cuBLAS will run
+    plain products, extraction stores the widened, scaled operand and hands cuBLAS the
+    product; without cuBLAS the cast and the scale stay the product's prologue. Plans only,
+    on meta tensors."""
+    from eqfuse.frontend.capture import capture
+    from eqfuse.pipeline import _extract
+    from eqfuse.runtime.compiled import Options
+
+    shapes = [(384, 256, 64), (384, 256, 64)]  # (197 rows of float32 are not 16-byte aligned: no cuBLAS call)
+    captured = capture(_float32_scores, [torch.empty(s, dtype=torch.bfloat16, device="meta") for s in shapes])
+    found = {}
+    for weighed in (False, True):
+        plan, _, _ = _extract(captured, Options.make(), {}, library=weighed)
+        library.library_products(plan)
+        found[weighed] = (len(plan.library_calls), len(plan.kernels))
+    assert found == {False: (0, 1), True: (1, 2)}, found

@@ -30,17 +30,31 @@ class Device:
     # Dense matmul flops per microsecond that Triton kernels reach (not the datasheet peak).
     half_flops_per_us: float = 6.5e8  # float16 / bfloat16
     tf32_flops_per_us: float = 3.0e8
-    fp32_flops_per_us: float = 4.0e7  # IEEE float32 on the CUDA cores
+    # IEEE float32 on the CUDA cores (Triton's dot without TF32): ViT-B/16's float32
+    # attention products on an H200 ([384 x 197 x 64] @ [384 x 64 x 197] and back, 1.9
+    # GFLOP each) ran 280-415 us generated, 5-7 TFLOP/s; 4e7 had modelled them at 90-127
+    fp32_flops_per_us: float = 1.5e7
     # A plain product run by cuBLAS (codegen/library.py) against a generated one: on an
     # H200, Mistral-7B widths' training step (bf16, 4096 tokens) ran its cuBLAS products at
     # 790 TFLOP/s on average, the generated ones with epilogues at 560-680
     library_speedup: float = 1.2
+    # ... in IEEE float32: cuBLAS's SGEMM ran ViT's float32 attention products above in
+    # 130-200 us, twice the generated ones' speed
+    fp32_library_speedup: float = 2.0
 
     def tensor_flops_per_us(self, dtype: str) -> float:
         if dtype in ("float16", "bfloat16"):
             return self.half_flops_per_us
-        import torch
-        return self.tf32_flops_per_us if torch.backends.cuda.matmul.allow_tf32 else self.fp32_flops_per_us
+        return self.tf32_flops_per_us if _tf32() else self.fp32_flops_per_us
+
+    def library_speedup_of(self, dtype: str) -> float:
+        """How much faster cuBLAS runs a plain product of ``dtype`` than a generated one."""
+        return self.fp32_library_speedup if dtype == "float32" and not _tf32() else self.library_speedup
+
+
+def _tf32() -> bool:
+    import torch
+    return torch.backends.cuda.matmul.allow_tf32
 
 
 DEFAULT_DEVICE = Device()
@@ -227,7 +241,8 @@ def kernel_time_us(spec: KernelSpec, buffers: dict, device: Device | None = None
     compute = kernel_compute(spec, sched.gathered_sides if matmul else ()) / device.ops_per_us
     if matmul:
         from ..codegen import splitk
-        compute += splitk.modelled_us(spec, sched, device) / (device.library_speedup if library else 1.0)
+        compute += splitk.modelled_us(spec, sched, device) / (device.library_speedup_of(sched.dot_dtype) if library
+                                                              else 1.0)
     elif sched is not None and sched.kind == "attention":
         compute += attention_flops(sched) / device.tensor_flops_per_us(sched.dot_dtype) * attention_slowdown(sched)
     return device.launch_us + max(memory, compute)

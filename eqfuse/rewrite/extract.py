@@ -372,6 +372,17 @@ class Extractor:
                     M, state, improved = trial_m, trial, True
             if not improved:
                 break
+        # A product cuBLAS would run once its computed operands are stored (a widening cast,
+        # a scale): one move stores them all, which storing one at a time never weighs (the
+        # product stays generated while the other is computed in it)
+        if self.library:
+            for k in list(state.specs):
+                operands = self._product_operands(state.inline_sets[k], M)
+                if not operands or over("library operands"):
+                    continue
+                trial = acceptable(evaluate(M | operands, host, state))
+                if trial is not None:
+                    M, state = M | operands, trial
         # Multi-output kernels: store a materialised value from a kernel that computes it
         # anyway (a consumer), or from a sibling over the same inputs (horizontal fusion).
         for c in sorted(M, key=order.index):
@@ -656,6 +667,22 @@ class Extractor:
         label = (self.fx_names(root) or ["value"])[0]
         spec = KernelSpec(f"k_{label}", roots, list(dict.fromkeys(names))).known_walk(nodes)
         return spec, inline, loads, reads
+
+    def _product_operands(self, inline, M) -> set:
+        """The values a kernel's products compute their operands from, under the operands'
+        views (permutes, reshapes), that the search could store: each computed in the
+        kernel (``inline``), not stored yet."""
+        found = set()
+        for c in inline:
+            n = self.best.get(c)
+            if n is None or n.op != "Dot":
+                continue
+            for kid in self.value_children(n):
+                while kid in inline and self.best[kid].op in ("Permute", "Reshape"):
+                    kid = self.value_children(self.best[kid])[0]
+                if kid in inline and kid in self.kernel_of and kid not in M and self._storable(kid):
+                    found.add(kid)
+        return found
 
     def _storable(self, c) -> bool:
         """Whether the search tries storing ``c``. Not a value computed from indices alone:

@@ -76,10 +76,14 @@ def calibrate(progress: Callable[[str], None] = print) -> Device:
     tf32 = _matmul_flops_per_us(torch.float32, tf32=True)
     fp32 = _matmul_flops_per_us(torch.float32, tf32=False)
     for label, value in (("fp16/bf16", half), ("tf32", tf32), ("fp32", fp32)):
-        progress(f"  matmul {label:12s} {value / 1e6:8.0f} TFLOP/s")
+        progress(f"  cuBLAS {label:12s} {value / 1e6:8.0f} TFLOP/s")
 
-    device = replace(DEFAULT_DEVICE, name=name, bandwidth_bytes_per_us=bandwidth, launch_us=launch,
+    # The products timed are cuBLAS's; the model's rates are a generated kernel's, cuBLAS's
+    # over the measured speedups (rewrite/cost.py, Device.library_speedup_of)
+    d = DEFAULT_DEVICE
+    device = replace(d, name=name, bandwidth_bytes_per_us=bandwidth, launch_us=launch,
                      sms=props.multi_processor_count, l2_bytes=props.L2_cache_size,
-                     half_flops_per_us=half, tf32_flops_per_us=tf32, fp32_flops_per_us=fp32)
+                     half_flops_per_us=half / d.library_speedup, tf32_flops_per_us=tf32 / d.library_speedup,
+                     fp32_flops_per_us=fp32 / d.fp32_library_speedup)
     save_calibration(device)
     return device
