@@ -110,6 +110,55 @@ ACOS = _atan_of("tl.sqrt((1.0 - {a}) / (1.0 + {a}))")[0], "2.0 * " + _ATAN_OF_X
 TAN = (), "(tl.sin({a}) / tl.cos({a}))"
 
 
+
+def _horner(var: str, coefficients: tuple) -> str:
+    """c0 + v (c1 + v (c2 + ...)) over the name ``var``, in Triton."""
+    text = repr(coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        text = f"{c!r} + {{{var}}} * ({text})"
+    return text
+
+
+# erfc by fdlibm's erfcf (its coefficients: s_erff.c, Sun Microsystems 1993), every branch
+# computed and the one |x| falls in selected: below 0.84375, 1 - erf(x) from erf's rational
+# form (written so that 1 - erf loses no digits past 1/4); to 1.25, (1 - erx) - P/Q around
+# 1; to 28, exp(-x^2) R/S in 1/x^2 over x, with x^2 split into the square of x's leading
+# 11 bits and the rest (exp(-z^2 - 0.5625) exp((z - x)(z + x) + R/S), both arguments exact:
+# with 12 bits, as s_erff.c, z^2 + 0.5625 rounds past 64, 4e-6 of the value at x = 8; x^2
+# rounded once would cost x^2 ulps); 0 or 2 beyond; 2 - erfc(|x|) for negative x.
+_ERFX = 0.84506291151
+_ERF_PP, _ERF_QQ = (1.2837916613e-01, -3.2504209876e-01, -2.8481749818e-02, -5.7702702470e-03,
+                    -2.3763017452e-05), (1.0, 3.9791721106e-01, 6.5022252500e-02, 5.0813062117e-03,
+                                         1.3249473704e-04, -3.9602282413e-06)
+_ERF_PA, _ERF_QA = (-2.3621185683e-03, 4.1485610604e-01, -3.7220788002e-01, 3.1834661961e-01, -1.1089469492e-01,
+                    3.5478305072e-02, -2.1663755178e-03), (1.0, 1.0642088205e-01, 5.4039794207e-01,
+                                                           7.1828655899e-02, 1.2617121637e-01, 1.3637083583e-02,
+                                                           1.1984500103e-02)
+_ERFC_RA, _ERFC_SA = (-9.8649440333e-03, -6.9385856390e-01, -1.0558626175e+01, -6.2375331879e+01, -1.6239666748e+02,
+                      -1.8460508728e+02, -8.1287437439e+01, -9.8143291473e+00), \
+    (1.0, 1.9651271820e+01, 1.3765776062e+02, 4.3456588745e+02, 6.4538726807e+02, 4.2900814819e+02,
+     1.0863500214e+02, 6.5702495575e+00, -6.0424413532e-02)
+_ERFC_RB, _ERFC_SB = (-9.8649431020e-03, -7.9928326607e-01, -1.7757955551e+01, -1.6063638306e+02, -6.3756646729e+02,
+                      -1.0250950928e+03, -4.8351919556e+02), \
+    (1.0, 3.0338060379e+01, 3.2579251099e+02, 1.5367296143e+03, 3.1998581543e+03, 2.5530502930e+03,
+     4.7452853394e+02, -2.2440952301e+01)
+ERFC = (("x", "tl.cast({a}, tl.float32)"), ("m", "tl.abs({x})"),
+        ("z", "{x} * {x}"),
+        ("y", f"({_horner('z', _ERF_PP)}) / ({_horner('z', _ERF_QQ)})"),
+        ("n", "tl.where({x} < 0.25, 1.0 - ({x} + {x} * {y}), 0.5 - ({x} * {y} + ({x} - 0.5)))"),
+        ("t", "{m} - 1.0"),
+        ("q", f"({_horner('t', _ERF_PA)}) / ({_horner('t', _ERF_QA)})"),
+        ("c", f"tl.where({{x}} >= 0.0, {1.0 - _ERFX!r} - {{q}}, 1.0 + ({_ERFX!r} + {{q}}))"),
+        ("s", "1.0 / ({m} * {m})"),
+        ("r", f"tl.where({{m}} < 2.857142857, ({_horner('s', _ERFC_RA)}) / ({_horner('s', _ERFC_SA)}), "
+              f"({_horner('s', _ERFC_RB)}) / ({_horner('s', _ERFC_SB)}))"),
+        ("h", "({m}.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)"),
+        ("e", "tl.exp(-{h} * {h} - 0.5625) * tl.exp(({h} - {m}) * ({h} + {m}) + {r}) / {m}"),
+        ("e", "tl.where({x} > 0.0, {e}, 2.0 - {e})"),
+        ("e", "tl.where({m} >= 28.0, tl.where({x} > 0.0, 0.0, 2.0), {e})")), \
+    "tl.where({x} != {x}, {x}, tl.where({m} < 0.84375, {n}, tl.where({m} < 1.25, {c}, {e})))"
+
+
 UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("neg", torch.neg, "({a} * -1)", 0.5),  # Triton's -x is 0 - x: -(+0.0) would be +0.0
     OpDef("exp", torch.exp, "tl.exp({a})", 2),
@@ -121,6 +170,7 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("relu", torch.relu, "tl.where({a} < 0, 0, {a})", 0.5),  # as torch: NaN and -0.0 pass
     OpDef("abs", torch.abs, "tl.abs({a})", 0.5),
     OpDef("erf", torch.erf, "tl.erf({a})", 3),
+    _stepped("erfc", torch.erfc, ERFC, 8),
     OpDef("sin", torch.sin, "tl.sin({a})", 3),
     OpDef("cos", torch.cos, "tl.cos({a})", 3),
     OpDef("floor", torch.floor, "tl.floor({a})", 0.5),
