@@ -423,20 +423,20 @@ def _reads_run_along_rows(reduces, rows: int, cols: int, shape) -> bool:
     full = env_of([(r, rows), (c, cols)], shape)
     point = {"rindex": max(0, rows // 2 - 1), "cindex": max(0, cols // 2 - 1)}
 
-    def steps(load, env, index: str) -> set:
+    def steps(step, index: str) -> set:
         # Two neighbouring steps: one of them may cross a digit boundary (the row index of
         # [S, rows] partials at S/2 * rows, a head boundary of [heads x 64] features), both
         # only where the index has no unit digit at all.
-        return {abs(access.address_step(load, env, index, {**point, index: max(0, point[index] - back)}))
-                for back in (0, 1)}
+        return {abs(step(index, {**point, index: max(0, point[index] - back)})) for back in (0, 1)}
 
     along_rows = along_cols = 0
     for red in reduces:
         for load, env in access.loads_at(red.args[0], full):
-            across = steps(load, env, "cindex")
+            step = access.address_steps(load, env)
+            across = steps(step, "cindex")
             if 1 in across:
                 along_cols += load.numel
-            elif across != {0} and 1 in steps(load, env, "rindex"):
+            elif across != {0} and 1 in steps(step, "rindex"):
                 along_rows += load.numel
     return along_rows > along_cols
 
