@@ -644,7 +644,8 @@ def _entry_meta(arg):
 
 UNARY_TARGETS = {
     aten.neg: "neg", aten.exp: "exp", aten.log: "log", aten.sqrt: "sqrt", aten.rsqrt: "rsqrt",
-    aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.relu: "relu", aten.abs: "abs", aten.erf: "erf", aten.erfc: "erfc",
+    aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.relu: "relu", aten.abs: "abs", aten.erf: "erf",
+    aten.erfc: "erfc", aten.erfinv: "erfinv",
     aten.sin: "sin", aten.cos: "cos", aten.floor: "floor", aten.ceil: "ceil",
     aten.reciprocal: "reciprocal", aten.logical_not: "not", aten.log1p: "log1p", aten.expm1: "expm1",
     aten.isnan: "isnan", aten.isinf: "isinf", aten.log2: "log2", aten.exp2: "exp2", aten.log10: "log10",

@@ -158,6 +158,18 @@ ERFC = (("x", "tl.cast({a}, tl.float32)"), ("m", "tl.abs({x})"),
         ("e", "tl.where({m} >= 28.0, tl.where({x} > 0.0, 0.0, 2.0), {e})")), \
     "tl.where({x} != {x}, {x}, tl.where({m} < 0.84375, {n}, tl.where({m} < 1.25, {c}, {e})))"
 
+# erfinv by Giles' single-precision form ("Approximating the erfinv function", GPU
+# Computing Gems, 2011): a polynomial in w = -log(1 - x^2), about w = 2.5 below 5 and in
+# sqrt(w) - 3 above, times x (1.2e-7 of the value in float64); +-inf at +-1, NaN past them
+_GILES_CENTRAL = (1.50140941, 0.246640727, -0.00417768164, -0.00125372503, 0.00021858087, -4.39150654e-06,
+                  -3.5233877e-06, 3.43273939e-07, 2.81022636e-08)
+_GILES_TAIL = (2.83297682, 1.00167406, 0.00943887047, -0.0076224613, 0.00573950773, -0.00367342844,
+               0.00134934322, 0.000100950558, -0.000200214257)
+ERFINV = (("x", "tl.cast({a}, tl.float32)"), ("w", "-tl.log((1.0 - {x}) * (1.0 + {x}))"),
+          ("c", "{w} - 2.5"), ("t", "tl.sqrt({w}) - 3.0"),
+          ("p", f"tl.where({{w}} < 5.0, {_horner('c', _GILES_CENTRAL)}, {_horner('t', _GILES_TAIL)}) * {{x}}")), \
+    "tl.where(tl.abs({x}) == 1.0, {x} * float('inf'), {p})"
+
 
 UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("neg", torch.neg, "({a} * -1)", 0.5),  # Triton's -x is 0 - x: -(+0.0) would be +0.0
@@ -171,6 +183,7 @@ UNARY: dict[str, OpDef] = {op.name: op for op in [
     OpDef("abs", torch.abs, "tl.abs({a})", 0.5),
     OpDef("erf", torch.erf, "tl.erf({a})", 3),
     _stepped("erfc", torch.erfc, ERFC, 8),
+    _stepped("erfinv", torch.erfinv, ERFINV, 6),
     OpDef("sin", torch.sin, "tl.sin({a})", 3),
     OpDef("cos", torch.cos, "tl.cos({a})", 3),
     OpDef("floor", torch.floor, "tl.floor({a})", 0.5),
