@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import sys
 import time
 
@@ -36,13 +37,57 @@ def _load_target(target: str):
     raise SystemExit(f"eqfuse: unknown example {target!r}; examples: {', '.join(EXAMPLES)}")
 
 
+# --inputs' dtype names: the short ones torch users write, and torch's own
+INPUT_DTYPES = {"f16": "float16", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "f32": "float32",
+                "fp32": "float32", "float": "float32", "f64": "float64", "fp64": "float64", "double": "float64",
+                "i64": "int64", "long": "int64", "i32": "int32", "int": "int32", "i16": "int16", "i8": "int8",
+                "u8": "uint8", "bool": "bool"}
+_INPUT = re.compile(r"\s*(?:(\w+)\s*:\s*)?(\w+)\s*\[([\d\s,]*)\]\s*(?:<\s*(\d+)\s*)?(,|$)")
+INDEX_BOUND = 8  # integer inputs are drawn from [0, this) unless the spec gives "< N"
+
+
+def parse_inputs(spec: str, device: str = "cpu") -> tuple:
+    """Example inputs from ``--inputs``: comma-separated ``[name:] dtype[d0, d1, ...] [< N]``
+    (``x: f16[4096, 4096], w: f16[4096], ids: i64[2, 128] < 50257``): floats drawn from a
+    normal distribution, integers from [0, N) (N = 8 unless given: an index into a table
+    wants the table's size), bools at random."""
+    import torch
+    inputs, pos = [], 0
+    while pos < len(spec):
+        m = _INPUT.match(spec, pos)
+        if m is None:
+            raise SystemExit(f"eqfuse: --inputs: cannot read {spec[pos:].strip()!r}; expected "
+                             f"name: dtype[size, ...] (< N for integers), e.g. 'x: f16[4, 8], ids: i64[4] < 100'")
+        name, dtype_name, sizes, bound, _ = m.groups()
+        dtype = INPUT_DTYPES.get(dtype_name, dtype_name if dtype_name in INPUT_DTYPES.values() else None)
+        if dtype is None:
+            raise SystemExit(f"eqfuse: --inputs: unknown dtype {dtype_name!r} for {name or 'an input'}; "
+                             f"known: {', '.join(sorted(INPUT_DTYPES))}")
+        shape = tuple(int(d) for d in sizes.replace(",", " ").split())
+        dtype = getattr(torch, dtype)
+        if dtype == torch.bool:
+            t = torch.rand(shape) < 0.5
+        elif dtype.is_floating_point:
+            t = torch.randn(shape, dtype=dtype)
+        else:
+            t = torch.randint(0, int(bound) if bound else INDEX_BOUND, shape, dtype=dtype)
+        inputs.append(t.to(device))
+        pos = m.end()
+    if not inputs:
+        raise SystemExit("eqfuse: --inputs: no input given")
+    return tuple(inputs)
+
+
 def _target_and_inputs(args):
-    """(function, example inputs) for the ``target``, ``--shape`` and ``--dtype`` arguments."""
+    """(function, example inputs) for the ``target``, ``--inputs``, ``--shape`` and
+    ``--dtype`` arguments."""
     import torch
 
     from .examples import Example
     target = _load_target(args.target)
     dtype = getattr(torch, DTYPES[args.dtype])
+    if getattr(args, "inputs", None):
+        return (target.fn if isinstance(target, Example) else target[0]), parse_inputs(args.inputs, _device())
     if isinstance(target, Example):
         shape = args.shape or target.demo_shape
         if len(shape) != len(target.demo_shape):
@@ -145,11 +190,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+INPUTS_HELP = ("the inputs, comma-separated: [name:] dtype[sizes] [< N], e.g. "
+               "'x: f16[4096, 4096], w: f16[4096], ids: i64[2, 128] < 50257' (integers drawn from [0, N), "
+               f"N = {INDEX_BOUND} unless given); instead of --shape and a file's example_inputs")
+
+
 def _add_target_arguments(parser, default_dtype="float32") -> None:
     parser.add_argument("target", nargs="?", default="rmsnorm", help="an example name or path/to/file.py:function")
     parser.add_argument("--shape", type=int, nargs="+", default=None,
                         help="ROWS COLS (M N K for a matmul example); default: the example's own")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=default_dtype)
+    parser.add_argument("--inputs", default=None, help=INPUTS_HELP)
 
 
 def cmd_calibrate(args) -> int:
@@ -214,6 +265,7 @@ def main(argv=None) -> int:
     s.add_argument("--shape", type=int, nargs="+", default=None,
                    help="ROWS COLS (M N K for a matmul example); default: the example's own")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    s.add_argument("--inputs", default=None, help=INPUTS_HELP)
     s.set_defaults(fn=cmd_show)
     d = sub.add_parser("demo", help="compile the examples, check them against eager, print a table")
     d.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
