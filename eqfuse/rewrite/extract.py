@@ -376,8 +376,8 @@ class Extractor:
         # a scale): one move stores them all, which storing one at a time never weighs (the
         # product stays generated while the other is computed in it)
         if self.library:
-            for k in list(state.specs):
-                operands = self._product_operands(state.inline_sets[k], M)
+            for k in list(state.specs):  # a kernel a taken move merged away is in the state no more
+                operands = self._product_operands(state.inline_sets.get(k, ()), M)
                 if not operands or over("library operands"):
                     continue
                 trial = acceptable(evaluate(M | operands, host, state))
