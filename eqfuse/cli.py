@@ -195,8 +195,9 @@ INPUTS_HELP = ("the inputs, comma-separated: [name:] dtype[sizes] [< N], e.g. "
                f"N = {INDEX_BOUND} unless given); instead of --shape and a file's example_inputs")
 
 
-def _add_target_arguments(parser, default_dtype="float32") -> None:
-    parser.add_argument("target", nargs="?", default="rmsnorm", help="an example name or path/to/file.py:function")
+def _add_target_arguments(parser, default_dtype="float32",
+                          target_help="an example name or path/to/file.py:function") -> None:
+    parser.add_argument("target", nargs="?", default="rmsnorm", help=target_help)
     parser.add_argument("--shape", type=int, nargs="+", default=None,
                         help="ROWS COLS (M N K for a matmul example); default: the example's own")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=default_dtype)
@@ -259,13 +260,9 @@ def main(argv=None) -> int:
     p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("show", help="plan, report and Triton source for an example or file.py:function")
-    s.add_argument("target", nargs="?", default="rmsnorm",
-                   help="an example name, or path/to/file.py:function (its inputs: the file's example_inputs, "
-                        "a tuple or a function returning one; else --shape floats)")
-    s.add_argument("--shape", type=int, nargs="+", default=None,
-                   help="ROWS COLS (M N K for a matmul example); default: the example's own")
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    s.add_argument("--inputs", default=None, help=INPUTS_HELP)
+    _add_target_arguments(s, target_help="an example name, or path/to/file.py:function (its inputs: --inputs, "
+                                          "the file's example_inputs, a tuple or a function returning one; "
+                                          "else --shape floats)")
     s.set_defaults(fn=cmd_show)
     d = sub.add_parser("demo", help="compile the examples, check them against eager, print a table")
     d.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

@@ -46,6 +46,14 @@ def _expm1_near_0(x: str) -> str:
     return f"tl.where({{u}} == 1.0, {x}, ({{u}} - 1.0) * ({x} / tl.log({{u}})))"
 
 
+def _horner(var: str, coefficients: tuple) -> str:
+    """c0 + v (c1 + v (c2 + ...)) over the name ``var``, in Triton."""
+    text = repr(coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        text = f"{c!r} + {{{var}}} * ({text})"
+    return text
+
+
 LOG1P = (("u", "{a} + 1.0"),), _log1p("{a}")
 # past |x| = 1, u - 1 loses nothing (and from -17 on, exp(x)'s denormals would spoil log(u))
 EXPM1 = (("u", "tl.exp({a})"),), f"tl.where(tl.abs({{a}}) > 1.0, {{u}} - 1.0, {_expm1_near_0('{a}')})"
@@ -79,9 +87,9 @@ ATANH = (("m", "tl.abs({a})"), ("v", "2.0 * {m} / (1.0 - {m})"), ("u", "{v} + 1.
 # log and two divisions) made Gemma-2's logit soft-capping, [4096 x 256000] bf16, a
 # compute-bound 2666 us on an H200 (Inductor's 1000). 2 sigmoid(2x) - 1 lost up to 4e-4
 # of the value just above 2.4e-4.
+_TANHF = (-3.33332819422e-1, 1.33314422036e-1, -5.37397155531e-2, 2.06390887954e-2, -5.70498872745e-3)
 TANH = (("m", "tl.abs({a})"), ("s", "{m} * {m}"),
-        ("p", "((((-5.70498872745e-3 * {s} + 2.06390887954e-2) * {s} - 5.37397155531e-2) * {s} "
-              "+ 1.33314422036e-1) * {s} - 3.33332819422e-1) * {s} * {m} + {m}"),
+        ("p", f"({_horner('s', _TANHF)}) * {{s}} * {{m}} + {{m}}"),
         ("m", "tl.where({m} > 0.625, 1.0 - 2.0 / (tl.exp(2.0 * {m}) + 1.0), {p})")), ODD
 # atan |x| by Cephes' atanf: reduced to |z| <= tan(pi/8) around 0, pi/4 or pi/2, then an
 # odd polynomial (relative error under 2e-7)
@@ -108,15 +116,6 @@ ASIN = _atan_of("{a} / tl.sqrt((1.0 - {a}) * (1.0 + {a}))")
 ACOS = _atan_of("tl.sqrt((1.0 - {a}) / (1.0 + {a}))")[0], "2.0 * " + _ATAN_OF_X
 # tan x = sin x / cos x: -0.0 keeps its sign, NaN at the infinities
 TAN = (), "(tl.sin({a}) / tl.cos({a}))"
-
-
-
-def _horner(var: str, coefficients: tuple) -> str:
-    """c0 + v (c1 + v (c2 + ...)) over the name ``var``, in Triton."""
-    text = repr(coefficients[-1])
-    for c in reversed(coefficients[:-1]):
-        text = f"{c!r} + {{{var}}} * ({text})"
-    return text
 
 
 # erfc by fdlibm's erfcf (its coefficients: s_erff.c, Sun Microsystems 1993), every branch
