@@ -581,7 +581,8 @@ class KernelWriter:
 
     def _emit_unary(self, node, env):
         a = self.emit(node.args[0], env)
-        return self._stepped(ops.UNARY[node.attrs[0]], {"a": a.expr}, a.axes)
+        return self._stepped(ops.UNARY[node.attrs[0]], {"a": a.expr, **COMPUTE_BITS[node.dtype == "float64"]},
+                             a.axes)
 
     def _emit_binary(self, node, env):
         a, b = self.emit(node.args[0], env), self.emit(node.args[1], env)
@@ -1296,6 +1297,9 @@ def compute_dtype(dtype: str) -> str:
     return ops.TRITON_DTYPES[dtype]
 
 
+# the names a unary op's form may use for the bits of its compute dtype (ops.ODD)
+COMPUTE_BITS = {False: {"int": "tl.int32", "float": "tl.float32", "sign": "(-0x7FFFFFFF - 1)"},
+                True: {"int": "tl.int64", "float": "tl.float64", "sign": "(-0x7FFFFFFFFFFFFFFF - 1)"}}
 def literal(value, dtype: str) -> str:
     if dtype == "bool":
         return "True" if value else "False"  # tl.int1: a condition, not an int32

@@ -58,9 +58,11 @@ LOG1P = (("u", "{a} + 1.0"),), _log1p("{a}")
 # past |x| = 1, u - 1 loses nothing (and from -17 on, exp(x)'s denormals would spoil log(u))
 EXPM1 = (("u", "tl.exp({a})"),), f"tl.where(tl.abs({{a}}) > 1.0, {{u}} - 1.0, {_expm1_near_0('{a}')})"
 LN2 = "0.6931471805599453"
-# an odd function from its value {m} at |x|: -0.0 kept (negated as a product: Triton's -m
-# is 0 - m, +0.0 for m = 0)
-ODD = "tl.where({a} < 0, {m} * -1.0, tl.where({a} == 0, {a}, {m}))"
+# an odd function from its value {m} at |x| (sign bit clear): x's sign bit set on it, -0.0
+# and NaN's sign included; one logical instruction where two selects and two comparisons
+# were (the code generator names {int}, {float} and {sign}, the compute width's integer,
+# float and sign bit)
+ODD = "(({m}).to({int}, bitcast=True) | (tl.cast({a}, {float}).to({int}, bitcast=True) & {sign})).to({float}, bitcast=True)"
 # e^m / 2 for m = |x| past 88, where e^m overflows while e^m / 2 does not until 89.4: the
 # square of e^(m/2), halved first (exp(m - ln 2) lost the rounding of m - ln 2: 1.4e-6)
 HALF_EXP_PAST_88 = "(0.5 * tl.exp(0.5 * {m})) * tl.exp(0.5 * {m})"
@@ -82,7 +84,8 @@ ACOSH = (("t", "{a} - 1.0"), ("v", "{t} + tl.sqrt(2.0 * {t} + {t} * {t})"), ("u"
 ATANH = (("m", "tl.abs({a})"), ("v", "2.0 * {m} / (1.0 - {m})"), ("u", "{v} + 1.0"),
          ("m", f"0.5 * {_log1p('{v}')}")), ODD
 # tanh |x| as Cephes' tanhf: 1 - 2 / (e^2|x| + 1) past 0.625 (1 from where e^2|x|
-# overflows), an odd polynomial below (relative error under 2e-7). One exp and one division
+# overflows; e^2|x| as exp2(|x| 2 log2 e), the product exp's would round, one instruction
+# fewer), an odd polynomial below (relative error under 2e-7). One exp and one division
 # an element: the form before it (E / (E + 2) with E = expm1(2|x|) by Kahan's, an exp, a
 # log and two divisions) made Gemma-2's logit soft-capping, [4096 x 256000] bf16, a
 # compute-bound 2666 us on an H200 (Inductor's 1000). 2 sigmoid(2x) - 1 lost up to 4e-4
@@ -90,7 +93,7 @@ ATANH = (("m", "tl.abs({a})"), ("v", "2.0 * {m} / (1.0 - {m})"), ("u", "{v} + 1.
 _TANHF = (-3.33332819422e-1, 1.33314422036e-1, -5.37397155531e-2, 2.06390887954e-2, -5.70498872745e-3)
 TANH = (("m", "tl.abs({a})"), ("s", "{m} * {m}"),
         ("p", f"({_horner('s', _TANHF)}) * {{s}} * {{m}} + {{m}}"),
-        ("m", "tl.where({m} > 0.625, 1.0 - 2.0 / (tl.exp(2.0 * {m}) + 1.0), {p})")), ODD
+        ("m", "tl.where({m} > 0.625, 1.0 - 2.0 / (tl.exp2({m} * 2.885390081777927) + 1.0), {p})")), ODD
 # atan |x| by Cephes' atanf: reduced to |z| <= tan(pi/8) around 0, pi/4 or pi/2, then an
 # odd polynomial (relative error under 2e-7)
 _ATAN = (("m", "tl.abs({x})"),
