@@ -288,3 +288,50 @@ def test_against_float64_a_wrong_half_precision_output_still_fails():
     nan = expected[0].clone()
     nan[3] = float("nan")
     assert "NaN" in validate._first_worse([nan], expected, exact)
+
+
+def _routed(x, gate):
+    """A mixture of experts' routing as transformers writes it (Mixtral's grouped path),
+    with the permuted intermediates returned, as a training forward saves them: router
+    logits rounded to integers, so that ties are everywhere and torch's order of them
+    (CPU topk and an unstable sort) is not the plan's (the lowest position first)."""
+    probs = (x @ gate).round().softmax(-1)
+    top_w, top_i = probs.topk(2, dim=-1)
+    ids_sorted, perm = top_i.reshape(-1).sort()
+    routed = torch.tanh(x[perm // 2] * 2) * top_w.reshape(-1)[perm].unsqueeze(-1)  # the tokens in expert order
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    out = routed[inv].view(x.shape[0], 2, x.shape[1]).sum(1)  # put back in the tokens' order
+    return out, top_w, top_i, perm, routed, torch.bincount(ids_sorted, minlength=gate.shape[1])  # which experts: decided
+
+
+def test_outputs_laid_out_by_an_order_decision_are_not_compared_what_is_put_back_is():
+    """Ties broken otherwise than eager route tokens otherwise: the check must not send
+    the graph to eager for it (a Mixtral training forward did, whole), and must still
+    compare what the routing computes once put back in the tokens' order."""
+    g = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(32, 16, generator=g), torch.randn(16, 8, generator=g)
+    want = _routed(x, gate)
+    c = eqfuse.compile(_routed, (x, gate), plan_cache=False)
+    assert c.kernels and "internal check failed" not in c.explain(), c.explain()
+    got = c(x, gate)
+    assert not torch.equal(got[2], want[2])  # the plan decided the ties otherwise...
+    for i in (0, 1):  # ...and the values that do not depend on the order are eager's
+        torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5)
+    assert validate.order_dependent_outputs(capture(_routed, (x, gate)).undecomposed()) == {2, 3, 4, 5}
+
+
+def test_a_wrong_value_put_back_after_the_routing_is_still_caught(monkeypatch):
+    """The outputs after the put-back are compared: a plan off there falls back."""
+    g = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(32, 16, generator=g), torch.randn(16, 8, generator=g)
+    captured = capture(_routed, (x, gate))
+    real = validate.evaluate
+
+    def off(plan, inputs, runner):
+        outs = real(plan, inputs, runner)
+        return [outs[0] + 1e-2, *outs[1:]]
+    monkeypatch.setattr(validate, "evaluate", off)
+    c = eqfuse.compile(_routed, (x, gate), plan_cache=False)
+    assert "output 0 (" in c.explain() and "internal check failed" in c.explain(), c.explain()
+    assert validate.order_dependent_outputs(captured.undecomposed()) == {2, 3, 4, 5}

@@ -217,6 +217,23 @@ class CapturedGraph:
         with buffers_kept(self.fn):
             return pytree.tree_flatten(self.fn(*user_inputs))[0]
 
+    def undecomposed(self) -> torch.fx.GraphModule | None:
+        """The graph of eager's own ops: the backend's graph as it came, or the user's
+        function traced again without decompositions (on fake tensors; None where that
+        fails). Its outputs are the flat outputs, as ``gm``'s are."""
+        if isinstance(self.fn, torch.fx.GraphModule):
+            return self.fn
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def flat(*args):
+            return pytree.tree_flatten(self.fn(*args))[0]
+        try:
+            with buffers_kept(self.fn):
+                return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                    *self.example_tensors[:self.num_user_inputs])
+        except Exception:  # noqa: BLE001 - then nothing is known of its ops
+            return None
+
     @property
     def placeholders(self) -> list[torch.fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]

@@ -216,9 +216,9 @@ def _sorted(x, dim=-1, descending=False):
 
 # Where torch leaves the order of ties open (sort without stable=True, topk, kthvalue,
 # median), integers and bools stay ATen's: their ties are common (a mixture of experts
-# sorts its tokens' expert ids), eager's order of them is its algorithm's, and validation
-# compares indices exactly, so a graph that returns them (a training forward saving the
-# permutation) would fall back to eager whole.
+# sorts its tokens' expert ids) and eager's order of them is its algorithm's; a plan
+# that orders them otherwise lays out every output that follows otherwise, which
+# validation then cannot compare (rewrite/validate.order_dependent_outputs).
 def _ties_likely(x) -> bool:
     return not x.is_floating_point()
 
