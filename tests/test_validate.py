@@ -302,7 +302,8 @@ def _routed(x, gate):
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel())
     out = routed[inv].view(x.shape[0], 2, x.shape[1]).sum(1)  # put back in the tokens' order
-    return out, top_w, top_i, perm, routed, torch.bincount(ids_sorted, minlength=gate.shape[1])  # which experts: decided
+    experts_used = torch.bincount(ids_sorted, minlength=gate.shape[1])  # which experts took them: decided too
+    return out, top_w, top_i, perm, routed, experts_used
 
 
 def test_outputs_laid_out_by_an_order_decision_are_not_compared_what_is_put_back_is():

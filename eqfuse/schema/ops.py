@@ -62,7 +62,8 @@ LN2 = "0.6931471805599453"
 # and NaN's sign included; one logical instruction where two selects and two comparisons
 # were (the code generator names {int}, {float} and {sign}, the compute width's integer,
 # float and sign bit)
-ODD = "(({m}).to({int}, bitcast=True) | (tl.cast({a}, {float}).to({int}, bitcast=True) & {sign})).to({float}, bitcast=True)"
+ODD = ("(({m}).to({int}, bitcast=True) | (tl.cast({a}, {float}).to({int}, bitcast=True) & {sign}))"
+       ".to({float}, bitcast=True)")
 # e^m / 2 for m = |x| past 88, where e^m overflows while e^m / 2 does not until 89.4: the
 # square of e^(m/2), halved first (exp(m - ln 2) lost the rounding of m - ln 2: 1.4e-6)
 HALF_EXP_PAST_88 = "(0.5 * tl.exp(0.5 * {m})) * tl.exp(0.5 * {m})"
