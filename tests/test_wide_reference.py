@@ -174,3 +174,26 @@ def test_a_graphs_own_casts_round_there_and_the_ops_after_see_the_wide_dtype():
         got = aten.mm(aten._to_copy(x, dtype=torch.bfloat16), w).sum(dtype=torch.float32)
     assert got.dtype == torch.float64
     assert got == (x.to(torch.bfloat16).double() @ w).sum().float().double()
+
+
+@pytest.mark.parametrize("weight_gradient", [False, True])
+def test_grouped_mm_stands_in_for_its_bfloat16_kernel(weight_gradient):
+    """A mixture of experts' products: rows (or, by a 2-D weight, columns) in groups cut
+    at ``offs``, an empty group among them; the widened result is the kernel's within
+    bfloat16's rounding, and rows past the last group are zero."""
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([8, 8, 24], dtype=torch.int32)
+    if weight_gradient:
+        a, b = torch.randn(16, 32, generator=g), torch.randn(32, 8, generator=g)
+        kernel_b = b.bfloat16().t().contiguous().t()  # the kernel's layout
+    else:
+        a, b = torch.randn(32, 16, generator=g), torch.randn(3, 16, 8, generator=g)
+        kernel_b = b.bfloat16()
+    want = torch._grouped_mm(a.bfloat16(), kernel_b, offs=offs).double()
+    with WideReference(torch.float64):
+        got = torch._grouped_mm(a.bfloat16().double(), b.bfloat16().double(), offs=offs)
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    if not weight_gradient:
+        assert not got[24:].any()
+        got, want = got[:24], want[:24]
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)

@@ -495,10 +495,9 @@ UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
 def _wide_outputs(captured, inputs) -> list | None:
     """The graph's outputs with its floating inputs in float64 (its own casts still round
-    where it makes them), else in float32 where an op has no float64 (CUDA's
-    ``_grouped_mm``: Mixtral's experts), or None where neither runs (attention with
-    dropout). Fused attention kernels, of half precision only, compute as exact math
-    (``wide_reference``)."""
+    where it makes them), else in float32 where an op has no float64, or None where
+    neither runs (attention with dropout). Fused attention kernels and grouped products,
+    of half precision only, compute as exact math (``wide_reference``)."""
     for dtype in (torch.float64, torch.float32):
         wide = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
         try:

@@ -13,6 +13,7 @@ not run widened, there was no reference, and a plan as good as eager fell back t
   (scores, softmax, the weighted sum, and the backward from those, recomputed rather than
   read from the narrow forward's log-sum-exp). Dropout has no exact counterpart (the
   kernel's random draws): such a call raises ``NoStandIn``, and no reference is made.
+- ``_grouped_mm`` (a mixture of experts' experts) takes bfloat16 only: a product per group.
 - Softmax's backwards name the forward input's dtype (half) and CUDA's kernel then wants a
   float32 gradient: they are told the dtype their widened gradient has.
 - The graph's own casts (to half precision, or a norm's to float32) round the value there,
@@ -152,7 +153,29 @@ def _softmax_backward(op):
     return run
 
 
+def _grouped_mm(a):
+    """``_grouped_mm`` (a mixture of experts' experts; CUDA's kernel takes bfloat16 only) as
+    one product per group: a 2-D operand's rows (its columns, against a 2-D right operand:
+    the weight gradient) cut at ``offs``, each group's ends; rows past the last are zero."""
+    x, w, offs, bias = a["self"], a["mat2"], a["offs"], a["bias"]
+    if offs is None:
+        out = x @ w  # 3-D by 3-D: a batch
+    else:
+        ends = offs.tolist()
+        groups = list(zip([0, *ends[:-1]], ends))
+        if x.dim() == 2 and w.dim() == 3:
+            out = x.new_zeros(x.shape[0], w.shape[-1])
+            for g, (start, end) in enumerate(groups):
+                out[start:end] = x[start:end] @ w[g]
+        elif x.dim() == 2 and w.dim() == 2:
+            out = torch.stack([x[:, start:end] @ w[start:end] for start, end in groups])
+        else:
+            raise NoStandIn(f"_grouped_mm of {x.dim()}-D by {w.dim()}-D operands")
+    return out if bias is None else out + bias
+
+
 STAND_INS = {
+    aten._grouped_mm.default: _grouped_mm,
     aten._scaled_dot_product_cudnn_attention.default: _cudnn_or_flash,
     aten._scaled_dot_product_cudnn_attention_backward.default: _backward,
     aten._scaled_dot_product_flash_attention.default: _cudnn_or_flash,
