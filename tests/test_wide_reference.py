@@ -197,3 +197,20 @@ def test_grouped_mm_stands_in_for_its_bfloat16_kernel(weight_gradient):
         assert not got[24:].any()
         got, want = got[:24], want[:24]
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+
+
+def test_a_stand_in_lays_its_result_out_as_the_kernel_does():
+    """cuDNN attention of projections viewed as heads returns its output with the heads
+    inside the rows, and the graph views it as [batch, sequence, width] on that layout:
+    the stand-in's result must allow the same view (Mixtral's training forward had no
+    wide reference for it on an H200: 'view size is not compatible')."""
+    b, s, h, d = 2, 8, 4, 16
+    q, k, v = (torch.randn(b, s, h, d).transpose(1, 2) for _ in range(3))
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+    kernel = cudnn(*(torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16, device="meta") for t in (q, k, v)),
+                   None, True, 0.0, True, False)[0]
+    with WideReference(torch.float64):
+        out = cudnn(q.double(), k.double(), v.double(), None, True, 0.0, True, False)[0]
+    assert out.stride() == kernel.stride() != q.contiguous().stride()
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    torch.testing.assert_close(out.transpose(1, 2).view(b, s, h * d), want.transpose(1, 2).reshape(b, s, h * d))

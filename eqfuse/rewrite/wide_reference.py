@@ -189,6 +189,29 @@ STAND_INS = {
 }
 
 
+def _laid_out_as_the_kernel(func, args, kwargs, out):
+    """A stand-in's results in the strides the kernel gives its own (found on meta tensors
+    of the narrow dtype the kernel takes): the graph's views after the call were traced on
+    those (cuDNN attention's output, heads inside rows, viewed as [batch, sequence, width])."""
+    def meta(t):
+        dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+    try:
+        meta_args, meta_kwargs = tree_map_only(torch.Tensor, meta, (args, kwargs))
+        like = func(*meta_args, **meta_kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel: the stand-in's own layout
+        return out
+    flat_out, flat_like = ((x,) if isinstance(x, torch.Tensor) else tuple(x) for x in (out, like))
+
+    def laid(o, k):
+        if not (isinstance(o, torch.Tensor) and isinstance(k, torch.Tensor)) or o.shape != k.shape \
+                or o.stride() == k.stride() or o.numel() == 0:
+            return o
+        return torch.empty_strided(k.shape, k.stride(), dtype=o.dtype, device=o.device).copy_(o)
+    laid_out = [laid(o, k) for o, k in zip(flat_out, flat_like)] + list(flat_out[len(flat_like):])
+    return laid_out[0] if isinstance(out, torch.Tensor) else type(out)(laid_out)
+
+
 class WideReference(TorchDispatchMode):
     """Within it, the ops of ``STAND_INS`` run by their stand-ins, and every op's float
     outputs of another dtype than ``dtype`` come back in ``dtype``: where the graph casts
@@ -202,7 +225,10 @@ class WideReference(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         stand_in = STAND_INS.get(func)
-        out = func(*args, **(kwargs or {})) if stand_in is None else stand_in(_named(func, args, kwargs or {}))
+        if stand_in is None:
+            out = func(*args, **(kwargs or {}))
+        else:
+            out = _laid_out_as_the_kernel(func, args, kwargs or {}, stand_in(_named(func, args, kwargs or {})))
         return tree_map_only(torch.Tensor, self._widened, out)
 
     def _widened(self, t: torch.Tensor) -> torch.Tensor:
