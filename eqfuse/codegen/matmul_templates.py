@@ -62,8 +62,8 @@ CHUNKS = (16, 8)
 # Triton operators that Gluon has under the same name and with the same semantics; and
 # those written otherwise
 SAME_IN_GLUON = {"load", "where", "maximum", "minimum", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "erf",
-                 "abs", "floor", "ceil", "sin", "cos", "fma", "float16", "bfloat16", "float32", "float64", "int1",
-                 "int8", "int16", "int32", "int64", "uint8"}
+                 "abs", "floor", "ceil", "sin", "cos", "fma", "cast", "float16", "bfloat16", "float32", "float64",
+                 "int1", "int8", "int16", "int32", "int64", "uint8"}
 OWN = {"sigmoid": "pingpong_sigmoid"}
 ENV = "EQFUSE_PINGPONG"  # 0: the template is never offered
 INDEX_NAMES = {"mindex", "nindex", "mmask", "nmask", "M", "N"}

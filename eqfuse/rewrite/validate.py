@@ -447,21 +447,27 @@ def order_dependent_outputs(gm: torch.fx.GraphModule) -> set:
     its sort's 256 indices) and both are the graph's answer; these outputs are not
     compared. What is put back in the tokens' own order is (a gather by the inverse
     permutation, a scatter by the permutation: an index op whose index and data are both
-    in the decided order), within its tolerance, as is the loss; the decision kernels are
-    checked exactly against torch's on their own (OpInfo, ties included)."""
+    in the decided order), within its tolerance, as is the loss. A decision over the
+    graph's inputs is not open (their ties are the user's, exactly: eqfuse orders them as
+    eager does or falls back). The decision kernels are checked exactly against torch's
+    on their own (OpInfo, ties included)."""
     decided: set = set()
 
     def arg(node, i):
         flat = node.args[i] if i < len(node.args) else None
         return [a for a in (flat if isinstance(flat, (list, tuple)) else [flat]) if isinstance(a, torch.fx.Node)]
 
+    def open_decision(node):  # over values the graph computes: the user's own are ordered as eager orders them
+        return node.args[0].op != "placeholder"
+
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is operator.getitem and node.args[0].target in ORDER_DECISIONS:
-            if node.args[1] == ORDER_DECISIONS[node.args[0].target] or node.args[0] in decided:
+            if (node.args[1] == ORDER_DECISIONS[node.args[0].target] and open_decision(node.args[0])) \
+                    or node.args[0] in decided:
                 decided.add(node)  # (the values sorted are the same whatever the ties' order)
-        elif ORDER_DECISIONS.get(node.target, 0) is None:
+        elif ORDER_DECISIONS.get(node.target, 0) is None and open_decision(node):
             decided.add(node)
         elif node.target in INDEXED:
             data, index, written = INDEXED[node.target]
