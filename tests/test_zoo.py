@@ -108,22 +108,40 @@ def test_inference_with_default_arguments_compiles_and_matches_eager(name):
 def test_a_training_step_matches_eager_loss_and_gradients(name):
     """``labels=`` and ``loss.backward()``, in train mode (dropout draws alike under one seed)."""
     family = zoo.BY_NAME[name]
-    model = _model(family, train=True).train()
-    kwargs = zoo.inputs(family, model, labels=True)
-    want_loss, want_grads = zoo.training_step(model, kwargs)
-    got_loss, got_grads = zoo.training_step(torch.compile(model, backend="eqfuse"), kwargs)
-    _close(got_loss, want_loss, what=f"{name} loss")
-    assert set(got_grads) == set(want_grads)
-    # A gradient that is zero in exact arithmetic is rounding noise at the scale of the
-    # terms it sums: a floor of 1e-2 of the largest gradient's magnitude
-    floor = 1e-2 * max(g.abs().max().item() for g in want_grads.values())
-    for n, g in want_grads.items():
-        torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-4 * max(g.abs().max().item(), floor),
-                                   msg=lambda m, n=n: f"{name} gradient of {n}: {m}")
+    _assert_trains_as_eager(family, _model(family, train=True).train())
     graphs = _compiled_graphs()
     assert len(graphs) >= 2, "no backward graph was compiled"
     _assert_compiled(graphs, None)
     _assert_layered(graphs, family, 2)  # the forward's and the backward's
+
+
+def test_a_training_step_with_gradient_checkpointing_matches_eager():
+    """``gradient_checkpointing_enable()``: the backward computes each layer's forward
+    again, its random ops under the states the forward saved (a higher-order op whose
+    results nest: ``(rng_state, (out, lse))``); no graph wholly in eager."""
+    family = zoo.BY_NAME["llama"]
+    model = _model(family, train=True).train()
+    model.gradient_checkpointing_enable()
+    _assert_trains_as_eager(family, model)
+    graphs = _compiled_graphs()
+    _assert_compiled(graphs, None)
+    steps = {f.op for g in graphs for f in g.fallbacks}
+    assert {"run_and_save_rng_state", "run_with_rng_state"} <= steps, steps
+
+
+def _assert_trains_as_eager(family, model):
+    """One training step of ``model`` through the backend: the loss and every gradient as eager's."""
+    kwargs = zoo.inputs(family, model, labels=True)
+    want_loss, want_grads = zoo.training_step(model, kwargs)
+    got_loss, got_grads = zoo.training_step(torch.compile(model, backend="eqfuse"), kwargs)
+    _close(got_loss, want_loss, what=f"{family.name} loss")
+    assert set(got_grads) == set(want_grads)
+    # A gradient that is zero in exact arithmetic is rounding noise at the scale of the
+    # terms it sums (a key's bias): a floor of 1e-2 of the largest gradient's magnitude
+    floor = 1e-2 * max(g.abs().max().item() for g in want_grads.values())
+    for n, g in want_grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-4 * max(g.abs().max().item(), floor),
+                                   msg=lambda m, n=n: f"{family.name} gradient of {n}: {m}")
 
 
 @pytest.mark.parametrize("name", DECODERS)

@@ -71,3 +71,25 @@ def underlying_op(target):
     while hasattr(target, "target"):
         target = target.target
     return target
+
+
+def leaves(value) -> list:
+    """The results nested in ``value``'s lists and tuples, in order."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in leaves(v)]
+    return [value]
+
+
+def nested(value) -> bool:
+    """Whether a result holds a list or tuple inside its own."""
+    return isinstance(value, (list, tuple)) and any(isinstance(v, (list, tuple)) for v in value)
+
+
+@dataclass(frozen=True)
+class Flattened:
+    """An eager step whose op nests its results (activation checkpointing's random-state
+    op returns ``(rng_state, (out, lse))``), run with them flat: one buffer a result."""
+    target: Any
+
+    def __call__(self, *args, **kwargs):
+        return tuple(leaves(self.target(*args, **kwargs)))

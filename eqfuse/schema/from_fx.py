@@ -25,7 +25,7 @@ import torch
 from ..errors import Unsupported
 from ..frontend.writes import written_input
 from . import ops
-from .eager_steps import substituted, underlying_op
+from .eager_steps import Flattened, leaves, nested, substituted, underlying_op
 from .ops import dtype_name
 from .plan import BufArg, contiguous_strides
 
@@ -314,7 +314,7 @@ class Translator:
         kwargs = {k: ref(a, k) for k, a in node.kwargs.items()}
         out = _meta(node)
         multi = isinstance(out, (list, tuple))
-        metas = list(out) if multi else [out]
+        metas = leaves(out)
         names, entries, info = [], [], []
         for k, m in enumerate(metas):
             name = f"ext{j}_{k}"
@@ -332,7 +332,10 @@ class Translator:
             else:
                 entries.append(_Opaque(name))
                 info.append(((), None))
-        target = node.target if writes else EagerCall.wrap(node, metas, substituted(node.target))
+        target = substituted(node.target)
+        if nested(out):  # its results one buffer each, and its value their nesting (for getitem)
+            target, entries = Flattened(target), _nest(out, iter(entries))
+        target = node.target if writes else EagerCall.wrap(node, metas, target)
         self.fallbacks.append(Fallback(node.name, target, args, kwargs, reason, names, multi, info, writes))
         self.env[node] = entries if multi else entries[0]
 
@@ -583,6 +586,13 @@ def _no_kernel_form(target) -> str:
                 f"CUMSUM_WORK comparisons, integers whose order of ties is open, or a case left to ATen), "
                 f"and these arguments are outside them")
     return f"{_op_name(target)} has no kernel form in eqfuse yet"
+
+
+def _nest(meta, entries) -> list:
+    """``entries`` (one per result, in order) nested as the results ``meta`` are."""
+    if isinstance(meta, (list, tuple)):
+        return [_nest(m, entries) for m in meta]
+    return next(entries)
 
 
 def _op_name(target) -> str:
