@@ -1,4 +1,4 @@
-"""The precision policy (README, "Precision"): by default a half-precision op's result stays
+"""The precision policy (docs/design.md, "Precision"): by default a half-precision op's result stays
 in float32 until a store or an explicit cast; with ``emulate_precision_casts`` each op's
 result is rounded to its dtype, as eager rounds it."""
 
