@@ -232,11 +232,38 @@ def cmd_bench(args) -> int:
 
 def cmd_rules(args) -> int:
     from .rewrite.rules import catalogue
+    if args.action:
+        return _rules_workbench(args)
     rows = catalogue()
     width = max(len(r[1]) for r in rows)
     for ruleset, name, text in rows:
         print(f"{ruleset:8s} {name:{width}s}  {text}")
     return 0
+
+
+def _rules_workbench(args) -> int:
+    """``rules try FILE`` / ``rules ablate NAME``: the workbench's table (eqfuse/workbench.py)."""
+    from . import workbench
+    from .rewrite.rules import RULESET_NAMES, rule_text
+    from .runtime.compiled import Options
+
+    if not args.target:
+        raise SystemExit(f"eqfuse rules {args.action}: name the {'file' if args.action == 'try' else 'rule'}")
+    if args.action == "try":
+        extra = workbench.load_rules(args.target)
+        for rule in extra:
+            print(f"rule {rule.name}: {rule_text(rule)}")
+        variant, watched = (*RULESET_NAMES, *extra), [r.name for r in extra]
+    else:
+        variant, watched = (*RULESET_NAMES, f"-{args.target}"), [args.target]
+    Options(rules=variant)  # the soundness check and the names, before any compile
+    print("sound on random and special values; compiling each workload with the built-in rules, then with "
+          + ("these added" if args.action == "try" else f"{args.target} left out"))
+    zoo = [f for f in (args.zoo or "").split(",") if f]
+    rows = workbench.compare(variant, only=args.only, zoo_families=zoo,
+                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(workbench.format_rows(rows, watched))
+    return 1 if any(not r["variant"].matches for r in rows) else 0
 
 
 class _Version(argparse.Action):
@@ -267,7 +294,13 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="compile the examples, check them against eager, print a table")
     d.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     d.set_defaults(fn=cmd_demo)
-    r = sub.add_parser("rules", help="the rule catalogue")
+    r = sub.add_parser("rules", help="the rule catalogue; 'rules try FILE.py' and 'rules ablate NAME': what a "
+                                     "rule of one's own, or a built-in one left out, changes")
+    r.add_argument("action", nargs="?", choices=["try", "ablate"], help="try: the RULES of a file of your own; "
+                                                                        "ablate: a built-in rule left out")
+    r.add_argument("target", nargs="?", help="the file (try) or the rule's name (ablate)")
+    r.add_argument("--only", nargs="+", default=None, help="examples whose name contains any of these")
+    r.add_argument("--zoo", default="", help="zoo families too, comma-separated (tiny models, inference)")
     r.set_defaults(fn=cmd_rules)
     i = sub.add_parser("inspect", help="each kernel's Triton source and compiler stages (TTIR ... PTX, SASS) "
                                        "written to a directory, with registers, spills, shared memory")

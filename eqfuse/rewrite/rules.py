@@ -350,13 +350,14 @@ def _concat_rules() -> list:
     return [reshape_cat, dot_split]
 
 
-def _algebra_ruleset(rounding_kept: bool = False):
-    from egglog import eq, i64, rule, ruleset, union, var
+def _algebra_rules(rounding_kept: bool = False, extra: tuple = ()) -> list:
+    """The algebra ruleset's rules, with ``extra`` (a user's AlgebraRules) among them."""
+    from egglog import eq, i64, rule, union, var
 
     from ..schema.terms import Cast, Value, dtype_code, vdtype
 
     rules = []
-    for r in ALGEBRA:
+    for r in (*ALGEBRA, *extra):
         k = EgglogBuilder()
         xs = [var(f"v{i}", Value) for i in range(r.arity)]
         lhs, rhs = r.pattern(k, *xs)
@@ -379,23 +380,20 @@ def _algebra_ruleset(rounding_kept: bool = False):
                           name=f"cast-{narrow}-{wide}-{narrow}").then(union(root).with_(x)))
     rules.append(rule(eq(root).to(Cast(x, d)), eq(vdtype(x)).to(d), name="cast-noop")
                  .then(union(root).with_(x)))
-    return ruleset(*rules, name="algebra")
+    return rules
 
 
-def _fusion_ruleset():
-    from egglog import eq, rule, ruleset, union, var
+def _fusion_rules() -> list:
+    from egglog import eq, rule, union, var
 
     from ..schema.terms import Kernel, Load, Value
 
     u, root = var("u", Value), var("root", Value)
-    return ruleset(
-        rule(eq(root).to(Load(Kernel(u))), name="fuse-load-kernel").then(union(root).with_(u)),
-        name="fusion",
-    )
+    return [rule(eq(root).to(Load(Kernel(u))), name="fuse-load-kernel").then(union(root).with_(u))]
 
 
-def _views_ruleset():
-    from egglog import Vec, eq, i64, rule, ruleset, set_, union, var
+def _views_rules() -> list:
+    from egglog import Vec, eq, i64, rule, set_, union, var
 
     from ..schema.terms import Broadcast, LoadStrided, Permute, Reshape, Slice, Tensor, Value, vdtype, vshape
 
@@ -408,7 +406,7 @@ def _views_ruleset():
     sliced_read = LoadStrided(t, s1.set(dim, size), strides.set(dim, strides[dim] * step),
                               offset + start * strides[dim])
     inner = Slice(x, perm[dim], start, step, size)
-    return ruleset(
+    return [
         rule(eq(root).to(Slice(LoadStrided(t, s1, strides, offset), dim, start, step, size)),
              eq(vdtype(root)).to(dt), name="slice-read")
         .then(set_(vshape(sliced_read)).to(s1.set(dim, size)), set_(vdtype(sliced_read)).to(dt),
@@ -424,77 +422,124 @@ def _views_ruleset():
         .then(union(root).with_(x)),
         rule(eq(root).to(Broadcast(x, s1)), eq(vshape(x)).to(s1), name="broadcast-same-shape")
         .then(union(root).with_(x)),
-        name="views",
-    )
+    ]
 
 
 RULESET_NAMES = ("algebra", "fusion", "views")
 
 
-def rulesets(rounding_kept: bool = False):
+@dataclass(frozen=True)
+class RuleChoice:
+    """The option ``rules`` read: the rulesets that run, a user's rules (which join the
+    algebra ruleset) and the built-in rules left out (an ablation)."""
+    enabled: tuple
+    extra: tuple = ()
+    dropped: frozenset = frozenset()
+
+
+def chosen(option) -> RuleChoice:
+    """The option ``rules``: ruleset names (RULESET_NAMES), ``AlgebraRule``s of one's own,
+    and ``"-name"`` for a built-in rule to leave out. ValueError names what is unknown."""
+    entries = (option,) if isinstance(option, (str, AlgebraRule)) else tuple(option)
+    enabled = tuple(e for e in entries if isinstance(e, str) and not e.startswith("-"))
+    extra = tuple(e for e in entries if isinstance(e, AlgebraRule))
+    dropped = frozenset(e[1:] for e in entries if isinstance(e, str) and e.startswith("-"))
+    known = {name for _, name, _ in catalogue()}
+    problems = [f"unknown ruleset {e!r}" for e in enabled if e not in RULESET_NAMES]
+    problems += [f"no built-in rule {name!r} to leave out" for name in sorted(dropped - known)]
+    problems += [f"{e!r} is neither a ruleset name, '-<rule>' nor an AlgebraRule" for e in entries
+                 if not isinstance(e, (str, AlgebraRule))]
+    clashing = [r.name for r in extra if r.name in known]
+    problems += [f"rule {name!r} has the name of a built-in rule" for name in clashing]
+    if problems:
+        raise ValueError("; ".join(problems) + f" (rulesets: {', '.join(RULESET_NAMES)})")
+    return RuleChoice(enabled, extra, dropped)
+
+
+def choice_key(option) -> tuple:
+    """The option ``rules`` as the plan cache keys it: a user's rule by its sides' text."""
+    return tuple((e.name, rule_text(e), e.domains) if isinstance(e, AlgebraRule) else e
+                 for e in ((option,) if isinstance(option, (str, AlgebraRule)) else option))
+
+
+def rulesets(rounding_kept: bool = False, choice: RuleChoice | None = None):
     """The rulesets (by the names in RULESET_NAMES), built anew for each e-graph.
     ``rounding_kept`` (the option ``emulate_precision_casts``): without the rules whose
     right side skips a rounding to a narrow float that the left side makes (the softmax
     rules marked ``exact=False``, and a narrow value's round trip through a wider float,
-    which under the option is how a half-precision op's result is rounded).
+    which under the option is how a half-precision op's result is rounded). ``choice``:
+    a user's rules added, the rules it leaves out left out.
 
     Cheap to build, and a ruleset object is then never shared between e-graphs.
     """
-    return {"algebra": _algebra_ruleset(rounding_kept), "fusion": _fusion_ruleset(), "views": _views_ruleset()}
+    from egglog import ruleset
+
+    choice = choice or RuleChoice(RULESET_NAMES)
+    lists = {"algebra": _algebra_rules(rounding_kept, choice.extra), "fusion": _fusion_rules(),
+             "views": _views_rules()}
+    # (a softmax rule's twin for rows of length 1 is "<name>/unit": left out with it)
+    return {name: ruleset(*[r for r in rules if r.decl.name.split("/")[0] not in choice.dropped], name=name)
+            for name, rules in lists.items()}
+
+
+class ShowBuilder:
+    """Writes a rule's sides as text, for the catalogue."""
+
+    def unary(self, op, x):
+        return f"{op}({x})"
+
+    def binary(self, op, x, y):
+        return f"{op}({x}, {y})"
+
+    def where(self, c, x, y):
+        return f"where({c}, {x}, {y})"
+
+    def const(self, value):
+        return repr(value)
+
+    def dot(self, a, b):
+        return f"({a} @ {b})"
+
+    def bcast_in(self, x):
+        return x
+
+    bcast_out = bcast_in
+
+    def narrow(self, x):
+        return f"narrow({x})"
+
+    def wide(self, x):
+        return f"wide({x})"
+
+    def rowmax(self, x):
+        return f"rowmax({x})"
+
+    def rowsum(self, x):
+        return f"rowsum({x})"
+
+    def expdot(self, s, v):
+        return f"expdot({s}, {v})"
+
+    def expsum(self, s):
+        return f"expsum({s})"
+
+
+def rule_text(r: AlgebraRule) -> str:
+    """An algebra rule's sides as text: ``mul(x, 1.0)  ->  x``."""
+    lhs, rhs = r.pattern(ShowBuilder(), *"xyzw"[: r.arity])
+    return f"{lhs}  ->  {rhs}"
 
 
 def catalogue() -> list[tuple[str, str, str]]:
     """(ruleset, name, description) for every rule, for ``eqfuse rules``."""
     rows = []
-
-    class Show:
-        def unary(self, op, x):
-            return f"{op}({x})"
-
-        def binary(self, op, x, y):
-            return f"{op}({x}, {y})"
-
-        def where(self, c, x, y):
-            return f"where({c}, {x}, {y})"
-
-        def const(self, value):
-            return repr(value)
-
-        def dot(self, a, b):
-            return f"({a} @ {b})"
-
-        def bcast_in(self, x):
-            return x
-
-        bcast_out = bcast_in
-
-        def narrow(self, x):
-            return f"narrow({x})"
-
-        def wide(self, x):
-            return f"wide({x})"
-
-        def rowmax(self, x):
-            return f"rowmax({x})"
-
-        def rowsum(self, x):
-            return f"rowsum({x})"
-
-        def expdot(self, s, v):
-            return f"expdot({s}, {v})"
-
-        def expsum(self, s):
-            return f"expsum({s})"
-
-    names = "xyzw"
     for r in ALGEBRA:
-        lhs, rhs = r.pattern(Show(), *names[: r.arity])
-        rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
+        rows.append(("algebra", r.name, rule_text(r)))
     for r in MATMUL:
-        lhs, rhs = r.pattern(Show(), "a", "b", "s")
+        lhs, rhs = r.pattern(ShowBuilder(), "a", "b", "s")
         rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
     for r in SOFTMAX:
-        lhs, rhs = r.pattern(Show(), "s" if not r.row_factor else "x", "v", "r")
+        lhs, rhs = r.pattern(ShowBuilder(), "s" if not r.row_factor else "x", "v", "r")
         rows.append(("algebra", r.name, f"{lhs}  ->  {rhs}"))
     rows += [("algebra", name, text) for name, text in CONCAT]
     for narrow, wide in CAST_ROUNDTRIPS:

@@ -47,11 +47,14 @@ def count_enodes(egraph) -> int:
 def saturate(egraph, limits: Limits | None = None, enabled=("algebra", "views", "fusion"),
              rounding_kept: bool = False) -> SaturationReport:
     """Run the ``enabled`` rulesets within ``limits``; ``rounding_kept``: without the rules
-    that drop a rounding to a narrow float (``rules.rulesets``)."""
-    from .rules import rulesets
+    that drop a rounding to a narrow float (``rules.rulesets``). ``enabled`` is the option
+    ``rules``: ruleset names, a user's rules, built-in rules left out (``rules.chosen``)."""
+    from .rules import chosen, rulesets
 
     limits = limits or Limits()
-    rs = rulesets(rounding_kept)
+    choice = chosen(enabled)
+    enabled = choice.enabled
+    rs = rulesets(rounding_kept, choice)
     report = SaturationReport()
     start = time.perf_counter()
 

@@ -87,7 +87,7 @@ class Options:
 
     def __post_init__(self):
         """Options of the wrong kind are named here, not met deep inside a compile."""
-        from ..rewrite.rules import RULESET_NAMES
+        from ..rewrite import rules, soundness
 
         for name in ("max_enodes", "max_seconds", "cuda_graphs_under_us"):
             value = getattr(self, name)
@@ -97,12 +97,16 @@ class Options:
                      "emulate_precision_casts", "pad_outputs", "share_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise EqfuseError(f"option {name}={getattr(self, name)!r}: expected True or False")
-        rules = (self.rules,) if isinstance(self.rules, str) else self.rules
-        unknown = [r for r in rules if r not in RULESET_NAMES] if isinstance(rules, (tuple, list)) else [rules]
-        if unknown:
-            raise EqfuseError(f"option rules={self.rules!r}: unknown ruleset(s) {unknown}; "
-                              f"known: {', '.join(RULESET_NAMES)}")
-        self.rules = tuple(rules)
+        try:
+            choice = rules.chosen(self.rules)
+        except (TypeError, ValueError) as e:
+            raise EqfuseError(f"option rules={self.rules!r}: {e}") from None
+        for rule in choice.extra:  # a user's rule is checked before any e-graph takes it
+            problem = soundness.unsound(rule)
+            if problem:
+                raise EqfuseError(f"option rules: the rule {rule.name!r} ({rules.rule_text(rule)}) is unsound: "
+                                  f"{problem}")
+        self.rules = tuple(self.rules) if not isinstance(self.rules, (str, rules.AlgebraRule)) else (self.rules,)
 
     @classmethod
     def make(cls, **kw):

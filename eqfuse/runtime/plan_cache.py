@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..errors import one_line
+from ..rewrite.rules import choice_key
 from .cache import cache_dir, switched_on, write_atomic
 
 FORMAT = 1  # bumped when an entry's layout changes
@@ -128,7 +129,7 @@ def plan_key(captured, example_inputs, options, device: torch.device, title: str
     """The entry a compile of ``captured`` for these inputs and options reads and writes."""
     inputs = tuple(_tensor_meta(t) for t in example_inputs)
     constants = tuple(_tensor_meta(t) for t in captured.constants)
-    chosen = (options.max_enodes, options.max_seconds, tuple(options.rules), options.validate, options.autotune,
+    chosen = (options.max_enodes, options.max_seconds, choice_key(options.rules), options.validate, options.autotune,
               options.cublas, options.emulate_precision_casts, options.pad_outputs)
     h = hashlib.sha256()
     for part in (FORMAT, _versions(), title, _graph_parts(captured), inputs, constants, chosen,
