@@ -35,6 +35,18 @@ history: deque = deque(maxlen=32)
 MAX_SHAPES = 8  # sets of sizes a graph with symbolic sizes is compiled for; later ones run as traced
 
 
+def _log_compiled(compiled, kind: str) -> None:
+    """What became of a graph, for ``TORCH_LOGS="eqfuse"`` (a line, and each eager step)
+    and ``TORCH_LOGS="+eqfuse"`` (the plan in words and the generated source)."""
+    seconds = compiled.report.get("seconds", {}).get("total", 0.0)
+    log.info("eqfuse: %s graph: %d kernel(s), %d eager step(s), built in %.2f s", kind, len(compiled.kernels),
+             len(compiled.fallbacks), seconds)
+    for fb in compiled.fallbacks:
+        log.info("eqfuse: eager: %s", fb)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("eqfuse: %s\n%s", compiled.explain(), compiled.source)
+
+
 def _compiler(options: dict, kind: str):
     """AOTAutograd's compiler of ``kind`` graphs ("forward", "backward", "inference"):
     each graph is titled so (its plan, ``explain()``, ``backend.history``)."""
@@ -50,8 +62,7 @@ def _compiler(options: dict, kind: str):
             log.warning("eqfuse: graph runs uncompiled: %s", e)
             return None
         history.append(compiled)
-        for fb in compiled.fallbacks:
-            log.info("eqfuse: eager: %s", fb)
+        _log_compiled(compiled, kind)
         return compiled
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):

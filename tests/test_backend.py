@@ -1,5 +1,7 @@
 """torch.compile(..., backend="eqfuse"): forward and backward against eager."""
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -541,3 +543,24 @@ def test_training_attention_with_an_all_true_mask_matches_eager():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_logs_eqfuse_prints_what_became_of_each_graph():
+    """``TORCH_LOGS="eqfuse"``, torch's own switch: a line per graph and its eager steps;
+    ``+eqfuse`` adds the plan in words and the generated source."""
+    import subprocess
+    import sys
+
+    program = ("import torch, eqfuse\n"
+               "f = torch.compile(lambda x: torch.relu(x) * 2, backend='eqfuse')\n"
+               "f(torch.randn(8, 16))\n")
+    def stderr(setting):
+        run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "TORCH_LOGS": setting})
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stderr
+
+    info = stderr("eqfuse")
+    assert "eqfuse: inference graph: 1 kernel(s), 0 eager step(s)" in info and "@triton.jit" not in info, info
+    debug = stderr("+eqfuse")
+    assert "eqfuse plan for inference" in debug and "@triton.jit" in debug, debug[-2000:]
