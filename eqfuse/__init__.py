@@ -25,7 +25,8 @@ def compile(fn, example_inputs, **options) -> CompiledGraph:
     """Compile ``fn`` (a function or nn.Module) for ``example_inputs``.
 
     Options: ``max_enodes`` (the e-graph's size limit), ``max_seconds`` (the plan search's
-    budget: past it the best plan found so far is used), ``rules`` (rulesets to run),
+    budget: past it the best plan found so far is used), ``rules`` (rulesets to run, rules
+    of one's own, ``"-name"`` for a built-in rule left out: eqfuse/workbench.py),
     ``autotune`` (time block-size candidates on the GPU), ``validate`` (check the extracted
     plan against the graph on the example inputs; on by default), ``cublas`` (plain
     products as cuBLAS calls on a GPU; on by default), ``emulate_precision_casts`` (round
@@ -33,10 +34,13 @@ def compile(fn, example_inputs, **options) -> CompiledGraph:
     blocks compiled as its parts, the blocks once: a ``LayeredGraph``), and the others of
     ``eqfuse.Options``.
     """
+    from .runtime import debug_dir
     from .runtime.layered import layered
 
     opts = Options.make(**options)
-    return layered(fn, example_inputs, opts) or CompiledGraph(fn, example_inputs, opts)
+    compiled = layered(fn, example_inputs, opts) or CompiledGraph(fn, example_inputs, opts)
+    debug_dir.dump(compiled, fn)  # under $EQFUSE_DEBUG_DIR only
+    return compiled
 
 
 __all__ = [

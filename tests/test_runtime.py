@@ -322,3 +322,34 @@ def test_show_takes_inputs_from_the_command_line(tmp_path, capsys):
     for spec, why in (("ids: q64[2]", "unknown dtype 'q64'"), ("ids: i64[2", "cannot read 'ids: i64[2'")):
         with pytest.raises(SystemExit, match=re.escape(why)):
             parse_inputs(spec)
+
+
+def test_a_debug_directory_holds_each_compiled_graph(tmp_path, monkeypatch):
+    """``EQFUSE_DEBUG_DIR``: per graph its FX code, the plan in words, the generated
+    module and the build's figures; through the backend, one directory a graph."""
+    import json
+
+    from eqfuse.runtime import debug_dir
+
+    monkeypatch.setenv(debug_dir.ENV, str(tmp_path))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: torch.relu(x) * 2, backend="eqfuse")
+    f(torch.randn(8, 16))
+    torch._dynamo.reset()
+    (where,) = tmp_path.iterdir()
+    assert "relu" in (where / "graph.py").read_text()
+    assert (where / "explain.txt").read_text().startswith("eqfuse plan for inference: 1 kernel(s)")
+    assert "@triton.jit" in (where / "kernels.py").read_text()
+    assert json.loads((where / "report.json").read_text())["seconds"]["total"] > 0
+
+
+def test_an_unwritable_debug_directory_is_a_warning_not_a_failed_compile(tmp_path, monkeypatch, caplog):
+    from eqfuse.runtime import debug_dir
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(debug_dir.ENV, str(blocker / "below"))
+    x = torch.randn(4, 8)
+    c = eqfuse.compile(lambda x: x.sin() + 1, (x,))
+    torch.testing.assert_close(c(x), x.sin() + 1)
+    assert "cannot write" in caplog.text
