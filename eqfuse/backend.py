@@ -25,6 +25,7 @@ from collections import deque
 from typing import Any
 
 import torch
+from torch._logging import trace_structured
 
 log = logging.getLogger("eqfuse")
 
@@ -45,6 +46,11 @@ def _log_compiled(compiled, kind: str) -> None:
         log.info("eqfuse: eager: %s", fb)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("eqfuse: %s\n%s", compiled.explain(), compiled.source)
+    # TORCH_TRACE's structured log, which tlparse renders beside dynamo's and AOTAutograd's
+    # artifacts (the payloads are computed only where the trace is on)
+    for name, payload in (("eqfuse_plan", compiled.explain), ("eqfuse_output_code", lambda: compiled.source)):
+        trace_structured("artifact", metadata_fn=lambda name=name: {"name": name, "encoding": "string"},
+                         payload_fn=payload)
 
 
 def _compiler(options: dict, kind: str):

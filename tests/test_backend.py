@@ -564,3 +564,20 @@ def test_torch_logs_eqfuse_prints_what_became_of_each_graph():
     assert "eqfuse: inference graph: 1 kernel(s), 0 eager step(s)" in info and "@triton.jit" not in info, info
     debug = stderr("+eqfuse")
     assert "eqfuse plan for inference" in debug and "@triton.jit" in debug, debug[-2000:]
+
+
+def test_torch_trace_holds_the_plan_and_the_code_for_tlparse(tmp_path):
+    """``TORCH_TRACE=dir``: eqfuse's plan and generated module as artifacts of the
+    structured trace, beside dynamo's."""
+    import subprocess
+    import sys
+
+    program = ("import torch, eqfuse\n"
+               "f = torch.compile(lambda x: torch.relu(x) * 2, backend='eqfuse')\n"
+               "f(torch.randn(8, 16))\n")
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCH_TRACE": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    trace = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert '"name": "eqfuse_plan"' in trace and '"name": "eqfuse_output_code"' in trace, trace[-2000:]
+    assert "eqfuse plan for inference" in trace and "@triton.jit" in trace
