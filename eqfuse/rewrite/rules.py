@@ -437,10 +437,15 @@ class RuleChoice:
     dropped: frozenset = frozenset()
 
 
+def rule_entries(option) -> tuple:
+    """The option ``rules`` as a tuple of its entries (one name or rule given alone)."""
+    return (option,) if isinstance(option, (str, AlgebraRule)) else tuple(option)
+
+
 def chosen(option) -> RuleChoice:
     """The option ``rules``: ruleset names (RULESET_NAMES), ``AlgebraRule``s of one's own,
     and ``"-name"`` for a built-in rule to leave out. ValueError names what is unknown."""
-    entries = (option,) if isinstance(option, (str, AlgebraRule)) else tuple(option)
+    entries = rule_entries(option)
     enabled = tuple(e for e in entries if isinstance(e, str) and not e.startswith("-"))
     extra = tuple(e for e in entries if isinstance(e, AlgebraRule))
     dropped = frozenset(e[1:] for e in entries if isinstance(e, str) and e.startswith("-"))
@@ -459,7 +464,7 @@ def chosen(option) -> RuleChoice:
 def choice_key(option) -> tuple:
     """The option ``rules`` as the plan cache keys it: a user's rule by its sides' text."""
     return tuple((e.name, rule_text(e), e.domains) if isinstance(e, AlgebraRule) else e
-                 for e in ((option,) if isinstance(option, (str, AlgebraRule)) else option))
+                 for e in rule_entries(option))
 
 
 def rulesets(rounding_kept: bool = False, choice: RuleChoice | None = None):

@@ -39,13 +39,13 @@ def draw(domain: str, gen: torch.Generator) -> torch.Tensor:
 
 def disagreement(lhs, rhs, zero_sign: bool = True) -> int | None:
     """The first position where two sides differ beyond rounding (NaN where the other is
-    not, zeros of different signs), or None."""
+    not; where the left side is a zero, the right side's sign another), or None."""
     lhs, rhs = torch.broadcast_tensors(*(torch.as_tensor(v, dtype=torch.float64) for v in (lhs, rhs)))
     lhs, rhs = lhs.reshape(-1), rhs.reshape(-1)
     nan = lhs.isnan() != rhs.isnan()
     both = ~lhs.isnan() & ~rhs.isnan()
     far = both & ~torch.isclose(lhs, rhs, rtol=1e-12, atol=1e-300)
-    sign = (lhs == 0) & (rhs == 0) & (torch.signbit(lhs) != torch.signbit(rhs)) if zero_sign else torch.zeros_like(nan)
+    sign = (lhs == 0) & (torch.signbit(lhs) != torch.signbit(rhs)) if zero_sign else torch.zeros_like(nan)
     bad = (nan | far | sign).nonzero()
     return int(bad[0]) if len(bad) else None
 

@@ -106,7 +106,7 @@ class Options:
             if problem:
                 raise EqfuseError(f"option rules: the rule {rule.name!r} ({rules.rule_text(rule)}) is unsound: "
                                   f"{problem}")
-        self.rules = tuple(self.rules) if not isinstance(self.rules, (str, rules.AlgebraRule)) else (self.rules,)
+        self.rules = rules.rule_entries(self.rules)
 
     @classmethod
     def make(cls, **kw):

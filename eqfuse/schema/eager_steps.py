@@ -80,6 +80,14 @@ def leaves(value) -> list:
     return [value]
 
 
+def nested_as(value, entries) -> list:
+    """``entries`` (an iterator, one per leaf of ``value``, in order) nested as ``value``'s
+    leaves are, in lists. (torch's pytree drops a None, which a result may hold.)"""
+    if isinstance(value, (list, tuple)):
+        return [nested_as(v, entries) for v in value]
+    return next(entries)
+
+
 def nested(value) -> bool:
     """Whether a result holds a list or tuple inside its own."""
     return isinstance(value, (list, tuple)) and any(isinstance(v, (list, tuple)) for v in value)

@@ -25,7 +25,7 @@ import torch
 from ..errors import Unsupported
 from ..frontend.writes import written_input
 from . import ops
-from .eager_steps import Flattened, leaves, nested, substituted, underlying_op
+from .eager_steps import Flattened, leaves, nested, nested_as, substituted, underlying_op
 from .ops import dtype_name
 from .plan import BufArg, contiguous_strides
 
@@ -334,7 +334,7 @@ class Translator:
                 info.append(((), None))
         target = substituted(node.target)
         if nested(out):  # its results one buffer each, and its value their nesting (for getitem)
-            target, entries = Flattened(target), _nest(out, iter(entries))
+            target, entries = Flattened(target), nested_as(out, iter(entries))
         target = node.target if writes else EagerCall.wrap(node, metas, target)
         self.fallbacks.append(Fallback(node.name, target, args, kwargs, reason, names, multi, info, writes))
         self.env[node] = entries if multi else entries[0]
@@ -586,13 +586,6 @@ def _no_kernel_form(target) -> str:
                 f"CUMSUM_WORK comparisons, integers whose order of ties is open, or a case left to ATen), "
                 f"and these arguments are outside them")
     return f"{_op_name(target)} has no kernel form in eqfuse yet"
-
-
-def _nest(meta, entries) -> list:
-    """``entries`` (one per result, in order) nested as the results ``meta`` are."""
-    if isinstance(meta, (list, tuple)):
-        return [_nest(m, entries) for m in meta]
-    return next(entries)
 
 
 def _op_name(target) -> str:
