@@ -930,6 +930,45 @@ def test_frexp_is_exact_as_eagers(dtype):
     assert torch.equal(mantissa[finite].float().view(torch.int32), want_m[finite].float().view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("divisor", [30.0, -7.0, 1 / 3, 0.5, 1e-39, 3e38, 0.0])
+def test_a_division_by_a_constant_is_a_product_by_its_reciprocal_within_an_ulp(divisor, dtype):
+    """As Inductor lowers it (IEEE division costs as much as an exponential): NaN, infinities
+    and signed zeros come out as eager's, other values (denormals and the largest float
+    among them) within an ulp of float32 before their rounding to ``dtype``. Where the
+    reciprocal is infinite or leaves the normal floats (1e-39, 3e38), and for zero, the
+    kernel divides."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor(BIT_SPECIALS), torch.randn(2000, generator=g) * 10.0 ** torch.randint(
+        -40, 38, (2000,), generator=g)]).to(dtype)
+    c = eqfuse.compile(lambda x: x / divisor, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    divides = any(" / " in line for line in c.kernels[0].source.splitlines() if "t" in line.split("=")[0])
+    assert divides == (divisor in (1e-39, 3e38, 0.0)), c.kernels[0].source
+    got, want = c(x), x / divisor
+    assert torch.equal(got.isnan(), want.isnan())
+    exact = (x == 0) | x.isinf()  # NaN's checked above
+    same = got.float().view(torch.int32) == want.float().view(torch.int32)
+    assert bool(same[exact & ~want.isnan()].all()), (x[exact][~same[exact]], got[exact][~same[exact]])
+    wide = x.double() / float(torch.tensor(divisor, dtype=torch.float32))
+    ulp = torch.finfo(dtype).eps * wide.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    finite = want.isfinite()
+    assert bool(((got.double() - want.double()).abs()[finite] <= ulp[finite]).all())
+
+
+@pytest.mark.parametrize("case", ["arange", "floor", "integers"])
+def test_a_division_of_whole_numbers_by_a_constant_stays_exact(case):
+    """Whole numerators keep the division, bit for bit eager's (a rotary frequency's
+    ``arange(0, d, 2) / d``; what ``round(x, decimals)`` undoes)."""
+    fn = {"arange": lambda x: x + torch.arange(0, 64, 2, dtype=torch.float32) / 7.0,
+          "floor": lambda x: torch.floor(x * 100) / 3.0,
+          "integers": lambda x: (x * 100).int() / 3.0}[case]
+    x = torch.randn(32)
+    c = eqfuse.compile(fn, (x,))
+    assert c.kernels and not c.fallbacks, c.explain()
+    assert torch.equal(c(x), fn(x))
+
+
 ALLOCATIONS = {"empty_like": lambda x: torch.empty_like(x), "empty": lambda x: torch.empty(2, 3, dtype=torch.int64),
                "new_empty_strided": lambda x: x.new_empty_strided((2, 3), (1, 2)),
                "empty_permuted": lambda x: torch.empty_permuted((2, 3, 4), (2, 0, 1))}

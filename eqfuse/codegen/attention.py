@@ -633,8 +633,6 @@ class AttentionWriter(KernelWriter):
         self.masked = _scaled(log2_scaled(self.scores))
         inner = unmasked_scores(self.scores, sched.band)
         self.unmasked = _scaled(log2_scaled(inner)) if inner is not None else None
-        trees = [self.masked[0]] + ([self.unmasked[0]] if self.unmasked is not None else [])
-        self.in_scores = {id(x) for t in trees for x in t.walk()}
         self.results: dict = {}  # node id -> Val after the loop
         self.offsets: dict = {}  # (buffer, offset tile at the loop's first key) -> its name
         self.cfg: dict = {}
@@ -676,16 +674,6 @@ class AttentionWriter(KernelWriter):
             raise Unschedulable("a reduction in an attention kernel")
         self._at_rows(env, self.row_env(), "a row max")
         return self.results["max"]
-
-    def _emit_binary(self, node, env):
-        """In the scores, a division by a constant is a multiplication by its reciprocal
-        (within an ulp of float32; IEEE division costs as much as the exponential)."""
-        divisor = node.args[1]
-        if node.attrs[0] == "div" and id(node) in self.in_scores and divisor.op == "const" \
-                and float(divisor.attrs[0]) != 0 and math.isfinite(1.0 / float(divisor.attrs[0])):
-            a = self.emit(node.args[0], env)
-            return self.assign(f"({a.expr} * {literal(1.0 / float(divisor.attrs[0]), 'float32')})", a.axes)
-        return super()._emit_binary(node, env)
 
     def _emit_dot(self, node, env):
         self._at_rows(env, self.env("mn", (self.s.m, self.s.n)), "the scores' product")

@@ -33,6 +33,8 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..errors import Unschedulable
 from ..rewrite.cost import device_model
 from ..schema import ops
@@ -589,6 +591,8 @@ class KernelWriter:
         op = ops.BINARY[node.attrs[0]]
         if op.name == "pow":
             return self._emit_pow(node, a)
+        if op.name == "div" and (recip := reciprocal_of_constant(node)) is not None:
+            return self.assign(f"({a.expr} * {recip})", a.axes)
         return self._stepped(op, {"a": a.expr, "b": b.expr}, a.axes | b.axes)
 
     def _stepped(self, op, names: dict, axes) -> Val:
@@ -1300,6 +1304,40 @@ def compute_dtype(dtype: str) -> str:
 # the names a unary op's form may use for the bits of its compute dtype (ops.ODD)
 COMPUTE_BITS = {False: {"int": "tl.int32", "float": "tl.float32", "sign": "(-0x7FFFFFFF - 1)"},
                 True: {"int": "tl.int64", "float": "tl.float64", "sign": "(-0x7FFFFFFFFFFFFFFF - 1)"}}
+def reciprocal_of_constant(node) -> str | None:
+    """A float32 division by a constant as a product by its reciprocal, as Inductor lowers
+    it: within an ulp of the division (the reciprocal of the float32 divisor, rounded
+    once), while IEEE division costs as much as an exponential (Gemma-2's logit
+    soft-capping, ``tanh(logits / 30) * 30``, was compute-bound with it). NaN, infinities
+    and signed zeros come out as the division's. Not where the reciprocal leaves the
+    normal floats (its rounding would lose digits), nor in float64 (a literal is float32),
+    nor of a whole number, whose quotient is exact where the product is not: ``round(x,
+    decimals=3)`` is ``round(x * 1000) / 1000``, a rotary frequency ``arange(0, d, 2) / d``."""
+    divisor = node.args[1]
+    if divisor.op != "const" or node.dtype not in ("float32", *ops.NARROW_FLOATS) or _whole(node.args[0]):
+        return None
+    c = float(torch.tensor(float(divisor.attrs[0]), dtype=torch.float32))
+    if c == 0 or not math.isfinite(c):
+        return None
+    recip = float(torch.tensor(1.0 / c, dtype=torch.float32))
+    if not torch.finfo(torch.float32).tiny <= abs(recip) < math.inf:
+        return None
+    return literal(recip, "float32")
+
+
+def _whole(node) -> bool:
+    """Whether ``node``'s values are whole numbers by what computes them."""
+    if not ops.is_float(node.dtype) or node.op == "iota":
+        return True
+    if node.op == "const":
+        return float(node.attrs[0]).is_integer()
+    if node.op == "cast":
+        return _whole(node.args[0])
+    if node.op == "unary":
+        return node.attrs[0] in ("round", "floor", "ceil", "trunc")
+    return node.op == "binary" and node.attrs[0] in ("add", "sub", "mul") and all(map(_whole, node.args))
+
+
 def literal(value, dtype: str) -> str:
     if dtype == "bool":
         return "True" if value else "False"  # tl.int1: a condition, not an int32
