@@ -128,6 +128,41 @@ def test_graphs_sharing_generated_source_keep_their_own_eager_steps():
     torch.testing.assert_close(c1(x), f1(x))
 
 
+@pytest.mark.parametrize("view", ["transposed", "transposed twice", "a column"])
+def test_a_view_of_an_eager_steps_result_is_no_copy(view):
+    """A view of an eager step's result (laid out densely in eager) folds into the step's
+    buffer, as a view of an input does: no kernel copies it (Mixtral's weight gradients,
+    _grouped_mm's results transposed twice, were gigabyte copies), and the output is
+    eager's view, values and strides."""
+    fn = {"transposed": lambda x: sorted_along(x, 0).t(), "transposed twice": lambda x: sorted_along(x, 0).t().t(),
+          "a column": lambda x: sorted_along(x, 0)[:, 3]}[view]
+    x = torch.randn(6, 8)
+    c = eqfuse.compile(fn, (x,))
+    assert not c.kernels and len(c.fallbacks) == 1, c.explain()
+    got, want = c(x), fn(x)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_an_eager_steps_argument_is_written_in_eager_s_layout(monkeypatch):
+    """A computed argument that eager laid out otherwise than contiguously (a transpose)
+    is written by its kernel in that layout: the step takes the buffer as it is, where it
+    took a copy in eager's layout (6 copies of 0.6 ms in Mixtral's training step)."""
+    from eqfuse.schema import from_fx
+    copies = []
+    relayout = from_fx._relayout
+    monkeypatch.setattr(from_fx, "_relayout", lambda x, layout: (copies.append(x) if isinstance(x, torch.Tensor)
+                                                                  else None) or relayout(x, layout))
+    fn = lambda x: sorted_along((x * 2).t(), 1)
+    x = torch.randn(6, 8)
+    c = eqfuse.compile(fn, (x,))
+    assert len(c.kernels) == 1 and len(c.fallbacks) == 1, c.explain()
+    copies.clear()
+    got = c(x)
+    assert torch.equal(got, fn(x))
+    # the step is handed (x * 2).t() with eager's strides, which it takes as it is
+    assert [t.stride() for t in copies] == [(1, 8)], [t.stride() for t in copies]
+
+
 @pytest.mark.parametrize("name,rows,cols", [("softmax", 3, 1000), ("rmsnorm", 5, 16), ("residual_layernorm", 7, 24),
                                             ("swiglu", 3, 100)])
 def test_every_autotune_candidate_is_correct(name, rows, cols):

@@ -98,6 +98,8 @@ class Extractor:
         for o in translation.outputs:
             if o[0] == "value" and o[4] is not None:
                 self.out_strides.setdefault(view.lets[o[1]], tuple(o[4]))
+        for name, strides in translation.arg_strides.items():  # an eager step's argument
+            self.out_strides.setdefault(view.lets[name], strides)
         self._buffer_names: dict[str, str] = {}
         self._fx_names: dict[str, list[str]] = {}
         for name, cid in view.lets.items():

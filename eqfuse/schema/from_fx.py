@@ -41,7 +41,7 @@ class BufferView:
     strides: tuple
     offset: int
     dtype: str
-    foldable: bool  # views of it may fold into its strides (graph inputs only)
+    foldable: bool  # views of it may fold into its strides (inputs, eager steps' dense results)
 
 
 @dataclass
@@ -89,6 +89,10 @@ class Translation:
     fallbacks: list[Fallback]
     roots: list[str]  # let-names that must be materialised (outputs, fallback args)
     node_names: list[str] = field(default_factory=list)
+    # fallback argument let-name -> the strides its buffer is written with: eager's layout
+    # of the argument where that is not the contiguous one, so that the step takes the
+    # buffer as it is (EagerCall) instead of a copy in that layout
+    arg_strides: dict[str, tuple] = field(default_factory=dict)
 
 
 def _meta(node):
@@ -108,6 +112,7 @@ class Translator:
         self.facts: list = []
         self.fallbacks: list[Fallback] = []
         self.roots: list[str] = []
+        self.arg_strides: dict[str, tuple] = {}
         self.inputs: list = []
         # input or eager step's buffer name -> its tensor's storage in the trace (for aliasing;
         # an eager step's result may be a view of an input)
@@ -197,7 +202,8 @@ class Translator:
                 outputs = self._outputs(node)
         if self.facts and not os.environ.get("EQFUSE_NO_FACTS"):
             self.egraph.register(*self.facts)
-        return Translation(self.egraph, self.inputs, outputs, self.fallbacks, self.roots)
+        return Translation(self.egraph, self.inputs, outputs, self.fallbacks, self.roots,
+                           arg_strides=self.arg_strides)
 
     def _placeholder(self, node, index):
         v = _meta(node)
@@ -305,6 +311,8 @@ class Translator:
                 name = f"fb_{j}_{path}"
                 self.egraph.let(name, e.term)
                 self.roots.append(name)
+                if (layout := _layout(_meta(a))) is not None:
+                    self.arg_strides[name] = layout[1]
                 return ArgRef(name)
             if isinstance(a, (list, tuple)):
                 return type(a)(ref(x, f"{path}_{i}") for i, x in enumerate(a))
@@ -324,9 +332,15 @@ class Translator:
                     dt = self._dtype(m) if _kernel_readable(m) else None
                 except Unsupported:
                     dt = None
-                # The buffer holds the result in eager's layout (see EagerCall).
-                entries.append(BufferView(name, tuple(m.shape), dense_strides(m.shape, m.stride()), 0, dt,
-                                          foldable=False) if dt else _Opaque(name))
+                # The buffer holds the result in eager's layout (see EagerCall). Where
+                # that layout is dense, views of the result fold into its strides as views
+                # of an input do (a weight's gradient from _grouped_mm, transposed twice,
+                # is the step's result itself, not a copy of its gigabyte).
+                if dt:
+                    strides = dense_strides(m.shape, m.stride())
+                    entries.append(BufferView(name, tuple(m.shape), strides, 0, dt, strides == tuple(m.stride())))
+                else:
+                    entries.append(_Opaque(name))
                 self.input_storages[name] = _storage(m)
                 info.append((tuple(m.shape), dt))
             else:
