@@ -5,9 +5,8 @@ import pytest
 import torch
 from conftest import DEVICE
 
-import eqfuse
 from eqfuse.schema import eager_steps
-from eqfuse.schema.eager_steps import embedding_backward, index_put, substituted
+from eqfuse.schema.eager_steps import embedding_backward, substituted
 from eqfuse.schema.from_fx import step_op
 
 aten = torch.ops.aten
@@ -63,42 +62,6 @@ def test_large_tables_and_counted_gradients_keep_atens_implementation(monkeypatc
     assert calls == [(10, -1, True), (10, -1, False)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(7, 16), (5, 3, 4)])
-def test_an_accumulating_index_put_of_rows_sums_as_aten(dtype, shape):
-    """Rows named again and again (negative indices among them), values broadcast over
-    the index's shape, onto a table that is not zero: the exact sum rounded once (CUDA's
-    ATen; the CPU's adds in the dtype); special values land in their rows. The input is
-    left as it was."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=g).to(DEVICE, dtype)
-    x[0].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
-    index = torch.randint(-shape[0], shape[0], (3, 10), generator=g).to(DEVICE)
-    values = torch.randn(10, *shape[1:], generator=g).to(DEVICE, dtype)
-    before = x.clone()
-    exact = aten.index_put(x.double(), [index], values.double(), True)
-    got = index_put(x, [index], values, True)
-    assert got.dtype == dtype and torch.equal(x.nan_to_num(), before.nan_to_num()) and x.isnan().sum() == 1
-    ulp = {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
-    torch.testing.assert_close(got, exact.to(dtype), rtol=ulp, atol=1e-6, equal_nan=True)
-
-
-@pytest.mark.parametrize("case", ["not accumulating", "two index tensors", "a mask", "deterministic"])
-def test_index_puts_the_atomic_adds_do_not_take_are_atens(case, monkeypatch):
-    calls = []
-    real = aten.index_put.default
-    monkeypatch.setattr(eager_steps, "aten", type("A", (), {"index_put": type("P", (), {
-        "default": staticmethod(lambda *a: calls.append(a) or real(*a))})}))
-    x, rows = torch.zeros(4, 3), torch.tensor([0, 2, 0])
-    args = {"not accumulating": (x, [rows], torch.ones(3), False),
-            "two index tensors": (x, [rows, rows], torch.ones(3), True),
-            "a mask": (x, [torch.tensor([True, False, True, False])], torch.ones(3), True),
-            "deterministic": (x, [rows], torch.ones(3), True)}[case]
-    if case == "deterministic":
-        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert torch.equal(index_put(*args), real(*args)) and len(calls) == 1
-
-
 def test_the_step_keeps_its_ops_name():
     assert step_op(substituted(aten.embedding_dense_backward.default)) == "embedding_dense_backward"
     assert substituted(aten.add.Tensor) is aten.add.Tensor
@@ -122,21 +85,3 @@ def test_a_compiled_embedding_trains_as_eager(monkeypatch):
     torch.testing.assert_close(weight.grad, expected.grad)
     assert not weight.grad[1].any()
     assert ran and set(ran) == {5}  # the backward's eager step ran the substitute
-
-
-def test_a_compiled_accumulating_index_put_past_the_kernel_forms_bounds_runs_the_atomic_adds(monkeypatch):
-    """Past the kernel form's bounds (frontend/decompose.py) the step is ATen's op, run
-    by the atomic adds: the values are eager's."""
-    from eqfuse.frontend import decompose
-    ran = []
-    monkeypatch.setattr(decompose, "CUMSUM_WORK", 0)
-    monkeypatch.setitem(eager_steps.SUBSTITUTES, aten.index_put.default,
-                        lambda *args: ran.append(len(args)) or index_put(*args))
-
-    def fn(x, rows, values):
-        return x.index_put((rows,), values * 2, accumulate=True) + 1
-    x, rows, values = torch.randn(6, 4), torch.tensor([5, 0, 5, -1, 2]), torch.randn(5, 4)
-    c = eqfuse.compile(fn, (x, rows, values))
-    assert [f.op for f in c.fallbacks] == ["index_put"], c.explain()
-    torch.testing.assert_close(c(x, rows, values), fn(x, rows, values))
-    assert ran

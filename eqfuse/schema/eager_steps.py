@@ -13,7 +13,7 @@ once; the order of the additions differs) and faster for small tables: 2 x 768 r
 50 us against 120, 512 x 768 43 against 125, 30522 x 768 121 against 171, 50257 x 768
 (8192 tokens) 165 against 238; for Llama's 128256 x 2048 the float32 table costs more
 than the sort (680 against 383 us): ATen's stays there (H200, torch 2.11, bf16, 4096
-tokens unless said). An accumulating ``index_put`` of rows is the same sum (``index_put``).
+tokens unless said).
 """
 
 from __future__ import annotations
@@ -45,29 +45,8 @@ def embedding_backward(grad, indices, num_weights: int, padding_idx: int, scale_
     return table.index_add_(0, flat, rows).to(grad.dtype)
 
 
-def index_put(x, indices, values, accumulate: bool = False):
-    """``aten.index_put``; accumulating into rows picked by one index tensor (a mixture of
-    experts' backward summing each token's expert outputs, past the kernel form's bounds:
-    frontend/decompose.py), by atomic adds into a float32 copy of ``x``, rounded once, as
-    the embedding's backward. ATen's CUDA kernel sorts the indices and sums each run (its
-    four in Mixtral's training step, sorts included, about 0.5 ms on an H200, where
-    Inductor's atomic adds, fused with their neighbours, took 0.1-0.2); both sum in
-    float32 and round once, in another order. Negative indices count from the end."""
-    index = indices[0] if len(indices) == 1 else None
-    if (not accumulate or index is None or index.dtype == torch.bool or index.is_floating_point()
-            or not x.is_floating_point() or x.dim() == 0 or x.numel() > ATOMIC_TABLE_ELEMENTS
-            or torch.are_deterministic_algorithms_enabled()):
-        return aten.index_put.default(x, indices, values, accumulate)
-    rows = torch.broadcast_to(values, (*index.shape, *x.shape[1:])).reshape(-1, *x.shape[1:])
-    flat = index.reshape(-1)
-    flat = torch.where(flat < 0, flat + x.shape[0], flat)
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.to(wide, copy=True).index_add_(0, flat, rows.to(wide)).to(x.dtype)
-
-
 SUBSTITUTES: dict[Any, Callable] = {
     aten.embedding_dense_backward.default: embedding_backward,
-    aten.index_put.default: index_put,
 }
 
 
