@@ -151,14 +151,16 @@ DECODE_STEP_FOLLOWED = ["llama", "gpt2", "mistral"]
 @pytest.mark.parametrize("name", [d for d in DECODERS if d not in DECODE_STEP_FOLLOWED])
 def test_generate_gives_eager_tokens(name):
     """``model.generate`` with the forward compiled (as transformers' docs compile it):
-    the prompt, then a step per new token against the growing cache (the families of
-    DECODE_STEP_FOLLOWED in the test after, which checks their tokens too)."""
+    the prompt, then the first step against its cache. The steps after, whose cache
+    length dynamo makes symbolic, are followed for the families of DECODE_STEP_FOLLOWED
+    in the test after (which checks their tokens too): their forms are the same across
+    families (CI time)."""
     family = zoo.BY_NAME[name]
     model = zoo.family_model(family, device=DEVICE)
     prompt = zoo.inputs(family, model, seq=5)["input_ids"]
-    want = zoo.generate(model, prompt)
+    want = zoo.generate(model, prompt, new_tokens=2)
     model.forward = torch.compile(model.forward, backend="eqfuse")
-    got = zoo.generate(model, prompt)
+    got = zoo.generate(model, prompt, new_tokens=2)
     assert torch.equal(got, want), (got, want)
     _assert_compiled(_compiled_graphs(), None)
 
