@@ -948,6 +948,11 @@ class _State:
 
 def _map_refs(obj, ex: Extractor):
     from ..schema.from_fx import ArgRef
+    if isinstance(obj, ArgRef) and obj.view is not None:
+        base = ex.g.lets[obj.name]
+        if ex._strides(base) is not None:
+            raise ExtractionError("an eager step's argument is a view of a value the plan lays out otherwise")
+        return BufRef(ex.buffer_name(base), *obj.view)
     if isinstance(obj, ArgRef):
         return BufArg(ex.buffer_name(ex.g.lets[obj.name]))
     if isinstance(obj, (list, tuple)):

@@ -66,8 +66,10 @@ class Fallback:
 
 @dataclass(frozen=True)
 class ArgRef:
-    """A computed value, materialised under let-name ``name``, passed to an eager op."""
+    """A computed value, materialised under let-name ``name``, passed to an eager op;
+    with ``view`` (shape, strides, offset), that view of its contiguous buffer."""
     name: str
+    view: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,12 @@ class Translator:
                     raise Unsupported("multi-result value passed on")
                 if isinstance(e, _Opaque):  # an eager op's result no kernel reads
                     return BufArg(e.name)
+                if (viewed := self._view_of_computed(a)) is not None:
+                    base, view = viewed
+                    name = f"fb_{j}_{path}_base"
+                    self.egraph.let(name, base.term)
+                    self.roots.append(name)
+                    return ArgRef(name, view)
                 name = f"fb_{j}_{path}"
                 self.egraph.let(name, e.term)
                 self.roots.append(name)
@@ -352,6 +360,24 @@ class Translator:
         target = node.target if writes else EagerCall.wrap(node, metas, target)
         self.fallbacks.append(Fallback(node.name, target, args, kwargs, reason, names, multi, info, writes))
         self.env[node] = entries if multi else entries[0]
+
+    def _view_of_computed(self, node):
+        """(the computed value, (shape, strides, offset)) where ``node`` is in eager a view
+        of a computed value laid out contiguously (a transpose handed to ``_grouped_mm``
+        beside the value itself): the step gets that view of the value's buffer, not a
+        buffer of its own holding the same bytes (Mixtral's backward wrote two of 0.4 GB)."""
+        base = node
+        while isinstance(base, torch.fx.Node) and base.op == "call_function" and \
+                getattr(base.target, "overloadpacket", None) in _VIEW_OPS:
+            base = base.args[0]
+        if base is node or not isinstance(base, torch.fx.Node) or not isinstance(self.env.get(base), Computed):
+            return None
+        mine, theirs = _meta(node), _meta(base)
+        if not (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and _kernel_readable(mine)
+                and _kernel_readable(theirs) and theirs.is_contiguous()):
+            return None
+        view = (tuple(mine.shape), tuple(mine.stride()), mine.storage_offset() - theirs.storage_offset())
+        return self.env[base], view
 
     def _copied_input(self, entry, node) -> bool:
         """Whether output ``node``, read from buffer ``entry.buf`` (an input's, or an eager
@@ -401,6 +427,9 @@ class Translator:
 
 
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+# Ops whose result is a view of their first argument's tensor, in eager
+_VIEW_OPS = {aten.permute, aten.transpose, aten.t, aten.view, aten._unsafe_view, aten.unsqueeze, aten.squeeze,
+          aten.slice, aten.select, aten.expand, aten.alias}
 
 
 def _storage(meta):
