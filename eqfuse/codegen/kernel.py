@@ -1304,6 +1304,8 @@ def compute_dtype(dtype: str) -> str:
 # the names a unary op's form may use for the bits of its compute dtype (ops.ODD)
 COMPUTE_BITS = {False: {"int": "tl.int32", "float": "tl.float32", "sign": "(-0x7FFFFFFF - 1)"},
                 True: {"int": "tl.int64", "float": "tl.float64", "sign": "(-0x7FFFFFFFFFFFFFFF - 1)"}}
+
+
 def reciprocal_of_constant(node) -> str | None:
     """A float32 division by a constant as a product by its reciprocal, as Inductor lowers
     it: within an ulp of the division (the reciprocal of the float32 divisor, rounded

@@ -948,13 +948,13 @@ class _State:
 
 def _map_refs(obj, ex: Extractor):
     from ..schema.from_fx import ArgRef
-    if isinstance(obj, ArgRef) and obj.view is not None:
-        base = ex.g.lets[obj.name]
-        if ex._strides(base) is not None:
-            raise ExtractionError("an eager step's argument is a view of a value the plan lays out otherwise")
-        return BufRef(ex.buffer_name(base), *obj.view)
     if isinstance(obj, ArgRef):
-        return BufArg(ex.buffer_name(ex.g.lets[obj.name]))
+        value = ex.g.lets[obj.name]
+        if obj.view is None:
+            return BufArg(ex.buffer_name(value))
+        if ex._strides(value) is not None:
+            raise ExtractionError("an eager step's argument is a view of a value the plan lays out otherwise")
+        return BufRef(ex.buffer_name(value), *obj.view)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_refs(x, ex) for x in obj)
     if isinstance(obj, dict):
