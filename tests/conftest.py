@@ -32,13 +32,7 @@ def _(x, dim):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-# The slowest files (tens of seconds a test) run first: started last, they kept one
-# worker busy minutes after the other had run out of tests
-FIRST = ("test_zoo.py", "test_layers.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the order within stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
