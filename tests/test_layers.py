@@ -156,12 +156,14 @@ def test_eqfuse_compile_of_a_traced_model_takes_boxed_arguments():
 
 
 def test_a_tiny_llama_compiles_its_layers_once(extractions):
-    """The issue's depth test, counted in work rather than seconds: 8 layers extract as
-    many plans as 4 (the compile took 7.1 s with 8 layers against 1.4 s with 2 before, 1.5
-    now, on the development machine's CPU); 2 layers compile whole."""
+    """The issue's depth test, counted in work rather than seconds: 8 layers extract 3
+    plans, the prefix's, one block's and the suffix's, as any depth past 2 does
+    (test_blocks_are_compiled_once_and_run_as_eager: 3 and 6); 2 layers compile whole
+    (the compile took 7.1 s with 8 layers against 1.4 s with 2 before, 1.5 now, on the
+    development machine's CPU)."""
     family = next(f for f in zoo.FAMILIES if f.name == "llama")
     counts = {}
-    for depth in (2, 4, 8):
+    for depth in (2, 8):
         model = zoo.family_model(family, sizes={**zoo.TINY, "num_hidden_layers": depth})
         kwargs = zoo.inputs(family, model)
         extractions["n"] = 0
@@ -174,7 +176,7 @@ def test_a_tiny_llama_compiles_its_layers_once(extractions):
         assert isinstance(graph, LayeredGraph) == (depth > 2)
         assert depth == 2 or graph.report["layers"]["blocks"] == depth
         counts[depth] = extractions["n"]
-    assert counts == {2: 1, 4: 3, 8: 3}
+    assert counts == {2: 1, 8: 3}
 
 
 class CausalModel(Model):
