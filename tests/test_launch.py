@@ -389,3 +389,28 @@ def test_a_new_set_of_addresses_lets_go_of_the_least_recently_used_one(monkeypat
     assert (caches[1].data_ptr(), w.data_ptr()) in replayer._recordings
     assert (caches[0].data_ptr(), w.data_ptr()) not in replayer._recordings
     torch.testing.assert_close(held, caches[1] @ w)
+
+
+@gpu
+def test_a_replayed_gradient_becomes_the_parameters_grad_without_a_copy():
+    """autograd makes a gradient the parameter's .grad only where nothing else holds its
+    tensor, and copies it otherwise: a replay hands out new tensors over the recording's
+    memory, so that .grad is the recording's buffer itself, and the backward replays
+    again once zero_grad lets go of it."""
+    import eqfuse.backend
+
+    torch._dynamo.reset()
+    eqfuse.backend.history.clear()
+    w = torch.nn.Parameter(torch.randn(64, 96, device="cuda"))
+    x = torch.randn(32, 64, device="cuda")
+    f = torch.compile(lambda x: torch.relu(x @ w).square().sum(), backend="eqfuse")
+    want = (2 * x.T @ torch.relu(x @ w)).detach()
+    for _ in range(5):
+        w.grad = None  # zero_grad(set_to_none=True)
+        f(x).backward()
+        torch.testing.assert_close(w.grad, want, rtol=1e-4, atol=1e-4)
+    backward = eqfuse.backend.history[-1]
+    replayer = backward._main.graphs
+    assert replayer is not None and replayer.replays >= 2, backward.explain()
+    recorded = {s.data_ptr() for recs in replayer._recordings.values() for rec in recs for s in rec.storages}
+    assert w.grad.untyped_storage().data_ptr() in recorded  # adopted, not copied

@@ -16,7 +16,7 @@ by comparing the call with the ones before it.
 
 A recording's outputs are its own buffers, which its next replay overwrites. So a
 recording is replayed only when the caller no longer holds any of its outputs (nor a view
-of one); each set of addresses keeps up to two recordings, enough for
+of one, nor the parameter's .grad that autograd made of one); each set of addresses keeps up to two recordings, enough for
 ``y = f(x)`` in a loop, where the previous ``y`` is still held during the call. When the
 caller holds the outputs of both, the call launches kernel by kernel into fresh buffers.
 """
@@ -215,9 +215,13 @@ class GraphReplayer:
             buffer.copy_(inputs[i])
         rec.graph.replay()
         self.replays += 1
-        if not rec.aliases:
-            return rec.outputs
-        outputs = list(rec.outputs)
+        # New tensors over the recording's memory, not the recording's own tensors: autograd
+        # adopts a gradient as the parameter's .grad only where nothing else holds that
+        # tensor, and copies it otherwise (GPT-NeoX's backward on an H200: 24 copies of
+        # every weight's gradient a step). Who holds the memory, the recording tells by its
+        # storages' use counts (_Recording.free), which the new tensors count in.
+        fresh: dict[int, torch.Tensor] = {}
+        outputs = [fresh.setdefault(id(o), o.detach()) if isinstance(o, torch.Tensor) else o for o in rec.outputs]
         for position, (i, view) in rec.aliases.items():
             outputs[position] = inputs[i] if view is None else inputs[i].as_strided(*view)
         return outputs
