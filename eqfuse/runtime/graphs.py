@@ -16,9 +16,10 @@ by comparing the call with the ones before it.
 
 A recording's outputs are its own buffers, which its next replay overwrites. So a
 recording is replayed only when the caller no longer holds any of its outputs (nor a view
-of one, nor the parameter's .grad that autograd made of one); each set of addresses keeps up to two recordings, enough for
-``y = f(x)`` in a loop, where the previous ``y`` is still held during the call. When the
-caller holds the outputs of both, the call launches kernel by kernel into fresh buffers.
+of one, nor the parameter's .grad that autograd made of one); each set of addresses keeps
+up to two recordings, enough for ``y = f(x)`` in a loop, where the previous ``y`` is still
+held during the call. When the caller holds the outputs of both, the call launches kernel
+by kernel into fresh buffers.
 """
 
 from __future__ import annotations
