@@ -220,7 +220,8 @@ class GraphReplayer:
         # adopts a gradient as the parameter's .grad only where nothing else holds that
         # tensor, and copies it otherwise (GPT-NeoX's backward on an H200: 24 copies of
         # every weight's gradient a step). Who holds the memory, the recording tells by its
-        # storages' use counts (_Recording.free), which the new tensors count in.
+        # storages' use counts (_Recording.free), which the new tensors count in. (By
+        # identity: a tensor the graph returns twice is one new tensor, twice.)
         fresh: dict[int, torch.Tensor] = {}
         outputs = [fresh.setdefault(id(o), o.detach()) if isinstance(o, torch.Tensor) else o for o in rec.outputs]
         for position, (i, view) in rec.aliases.items():
