@@ -23,7 +23,8 @@ over eager and over torch.compile, compile seconds cold (the first call; each
 contender's caches start empty) and, with ``--warm``, warm (compiled again after
 torch._dynamo.reset), the memory peak of a call, and for eqfuse the kernels and eager
 steps of its graphs; with ``--profile``, each contender's GPU kernels per call
-(torch.profiler), most time first, and its host's side of a call (``host_table``).
+(torch.profiler), most time first, its host's side of a call (``host_table``) and
+where the GPU waits inside one (``idle_table``).
 eqfuse compiles with autotune off (the tile model's first choice) unless
 ``--autotune``. ``benchmarks/zoo_wheels.sh`` gathers the wheels a GPU machine needs
 (egglog, and transformers at the dev extra's pin). The last lines printed are the summary table and the geomeans.
@@ -286,6 +287,7 @@ def run_family(family: zoo.Family, mode: str, args) -> dict:
     if args.profile:
         row["profile"] = {name: kernel_table(fn) for name, fn in fns.items()}
         row["host"] = {name: host_table(fn) for name, fn in fns.items()}
+        row["idle"] = {name: idle_table(fn) for name, fn in fns.items()}
     if not args.no_timing and fns:
         rounds = bench_rounds(fns)
         us = {name: sorted(ts)[len(ts) // 2] for name, ts in rounds.items()}
@@ -317,6 +319,34 @@ def kernel_table(fn, calls: int = 3, top: int = 40) -> list:
     total = sum(e.device_time_total for e in events) / calls
     rows = [[e.key[:90], round(e.device_time_total / calls, 1), e.count // calls] for e in events[:top]]
     return [["<all kernels>", round(total, 1), sum(e.count for e in events) // calls]] + rows
+
+
+def idle_table(fn, calls: int = 3, top: int = 12) -> dict:
+    """Where the GPU waits inside a call: the sum of the gaps between one kernel's end and
+    the next one's start over ``calls`` calls back to back (per call), and the largest
+    gaps with the kernels on either side: [us, kernel before, kernel after]. A call whose
+    kernels sum well below its time spends the rest here (a synchronisation, a host that
+    falls behind, a CUDA graph's launch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, end, before = [], None, None
+    for start, stop, name in kernels:
+        if end is not None and start > end:
+            gaps.append([round(start - end, 1), before[:70], name[:70]])
+        if end is None or stop > end:
+            end, before = stop, name
+    gaps.sort(key=lambda g: -g[0])
+    span = (kernels[-1][1] - kernels[0][0]) / calls if kernels else 0.0
+    return {"span_us": round(span, 1), "idle_us": round(sum(g[0] for g in gaps) / calls, 1),
+            "largest": gaps[:top]}
 
 
 def host_table(fn, calls: int = 5, top: int = 8) -> dict:

@@ -194,12 +194,13 @@ def _row_reduction(fn: str, tile: str, nan_aware: bool) -> str:
 
 
 def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
-    reductions = [n for n in spec.walk() if n.op == "reduce"]
+    walk = spec.walk()
+    reductions = [n for n in walk if n.op == "reduce"]
     if reductions:
         # the reductions, else where a product's operand leaves them (a normalised row:
         # its statistics may be no value extraction can store)
         inner = {id(n) for n in reductions}
-        reading = readers(dots, inner)
+        reading = readers(dots, inner, walk)
         cuts = [c for d in dots for c in operand_cut(d, inner, reading)]
         raise Unschedulable("a reduction in a matmul kernel", store=[n.eclass for n in reductions] + cuts)
     forms = {(d.shape, d.args[0].shape[-1], d.args[0].dtype) for d in dots}
