@@ -193,14 +193,16 @@ def _row_reduction(fn: str, tile: str, nan_aware: bool) -> str:
     return f"tl.where(tl.max(({tile} != {tile}).to(tl.int8), 1)[:, None] > 0, float('nan'), {reduced})"
 
 
-def _matmul_schedule(spec: KernelSpec, dots: list) -> Schedule:
-    walk = spec.walk()
-    reductions = [n for n in walk if n.op == "reduce"]
+def _matmul_schedule(spec: KernelSpec, nodes: list) -> Schedule:
+    """``nodes``: the walk of ``spec`` spelled out (``attention.spelled_out``), where its
+    products are; the reductions extraction can store are the spec's own."""
+    dots = [n for n in nodes if n.op == "dot"]
+    reductions = [n for n in spec.walk() if n.op == "reduce"]
     if reductions:
         # the reductions, else where a product's operand leaves them (a normalised row:
         # its statistics may be no value extraction can store)
         inner = {id(n) for n in reductions}
-        reading = readers(dots, inner, walk)
+        reading = readers(dots, inner, nodes)
         cuts = [c for d in dots for c in operand_cut(d, inner, reading)]
         raise Unschedulable("a reduction in a matmul kernel", store=[n.eclass for n in reductions] + cuts)
     forms = {(d.shape, d.args[0].shape[-1], d.args[0].dtype) for d in dots}
@@ -376,9 +378,8 @@ def schedule_of(spec: KernelSpec) -> Schedule:
     if flows:
         return attention_schedule(spec, flows)
     nodes = spelled_out(spec).walk()
-    dots = [n for n in nodes if n.op == "dot"]
-    if dots:
-        return _matmul_schedule(spec, dots)
+    if any(n.op == "dot" for n in nodes):
+        return _matmul_schedule(spec, nodes)
     reduces = [n for n in nodes if n.op == "reduce"]
     if not reduces:
         sizes = {root.numel for root, _ in spec.roots}
