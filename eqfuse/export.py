@@ -198,16 +198,24 @@ def _write_constant(directory: Path, name: str, t) -> dict:
 
 
 def _buffer_plan(plan) -> list:
-    """Buffers the runner allocates on each call, in the order kernels first write them."""
+    """Buffers the runner allocates on each call, in the order kernels first write them;
+    a view of another buffer (a concatenation's part) after that buffer, as that view."""
     inputs = {b.name for b in plan.inputs}
     order = []
+
+    def add(name):
+        view_of = plan.buffers[name].view_of
+        if view_of is not None and view_of[0] not in order:
+            add(view_of[0])
+        order.append(name)
     for step in plan.steps:
         assert isinstance(step, KernelSpec)
         for _, buf in step.roots:
             if buf not in inputs and buf not in order:
-                order.append(buf)
+                add(buf)
     return [{"name": n, "shape": list(plan.buffers[n].shape), "dtype": plan.buffers[n].dtype,
-             "strides": list(plan.buffers[n].layout), "kind": plan.buffers[n].kind} for n in order]
+             "strides": list(plan.buffers[n].layout), "kind": plan.buffers[n].kind,
+             **({"view_of": list(plan.buffers[n].view_of)} if plan.buffers[n].view_of else {})} for n in order]
 
 
 def _output_record(out) -> dict:

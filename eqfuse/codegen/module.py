@@ -19,6 +19,7 @@ from ..schema.plan import (
 )
 from . import kernel as kgen
 from .kmajor import kmajor_operands
+from .concat import concat_in_place
 from .library import library_products, torch_calls
 from .narrowing import narrow_stores
 from .padding import aligned_operands, pad_rows, padded_product_outputs
@@ -108,7 +109,8 @@ def launch_options(info: KernelInfo) -> str:
     return kw
 
 
-def prepare(plan: Plan, library: bool = False, padded: bool = False, pad_outputs: bool = False) -> None:
+def prepare(plan: Plan, library: bool = False, padded: bool = False, pad_outputs: bool = False,
+            in_place: bool = False) -> None:
     """The plan rewritten into the kernels the module launches. Matmuls and reductions too
     narrow to fill the GPU become two kernels (codegen/splitk.py, codegen/split.py; split-K
     first, whose second stage split reductions leave alone). The plan itself is rewritten,
@@ -121,7 +123,9 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False, pad_outputs
     cuBLAS then takes more of them (codegen/store_order.py), long rows of odd widths are
     padded (with ``pad_outputs``, a product's returned output too, where cuBLAS then
     takes it), and products' operands read from such rows read padded copies
-    (codegen/padding.py), and the calls split long odd dims off. Before
+    (codegen/padding.py), and the calls split long odd dims off; with ``in_place`` (a
+    module of static sizes), between the padding and the copies, the parts of
+    concatenations are stored in place (codegen/concat.py). Before
     everything, buffers that every reader casts to a narrower dtype are stored in it
     (codegen/narrowing.py)."""
     narrow_stores(plan)
@@ -130,6 +134,9 @@ def prepare(plan: Plan, library: bool = False, padded: bool = False, pad_outputs
         pad_rows(plan)
         if pad_outputs:
             padded_product_outputs(plan)
+    if in_place:
+        concat_in_place(plan)
+    if padded:
         aligned_operands(plan)
     if library:
         library_products(plan, split=padded)
@@ -144,7 +151,7 @@ def generate_module(plan: Plan, title: str, version: str, configs: dict | None =
     ``library``: plain products as cuBLAS calls; ``pad_outputs``: returned products with
     long odd rows padded for them (``prepare``)."""
     configs = configs or {}
-    prepare(plan, library, padded=library, pad_outputs=pad_outputs)
+    prepare(plan, library, padded=library, pad_outputs=pad_outputs, in_place=True)
     infos = [kernel_info(k, plan.buffers, configs.get(k.name)) for k in plan.kernels]
     body, rets = call_lines(plan, infos)
     return assemble(title, version, infos, _launcher_line, [b.name for b in plan.inputs], body, rets), infos
@@ -192,8 +199,7 @@ def call_lines(plan: Plan, infos: list, size: str = "") -> tuple[list, list]:
         if not isinstance(step, FallbackStep):  # an eager step makes its outputs itself
             for buf in step_writes(step):
                 if buf not in allocated:
-                    body.append(_allocation(plan.buffers[buf]))
-                    allocated.add(buf)
+                    body += _allocations(plan.buffers[buf], plan.buffers, allocated)
         if isinstance(step, KernelSpec):
             info = by_name[step.name]
             if 0 in info.grid:
@@ -229,11 +235,17 @@ def call_lines(plan: Plan, infos: list, size: str = "") -> tuple[list, list]:
     return body, rets
 
 
-def _allocation(b) -> str:
-    """The line allocating buffer ``b``: empty_strided with the strides spelled out (on
-    CUDA it takes less host time than empty)."""
-    return (f"{b.name} = torch.empty_strided({tuple(b.shape)!r}, {tuple(b.layout)!r}, "
-            f"dtype={ops.DTYPES[b.dtype]}, device=DEVICE)")
+def _allocations(b, buffers: dict, allocated: set) -> list:
+    """The lines making buffer ``b`` (added to ``allocated``): empty_strided with the
+    strides spelled out (on CUDA it takes less host time than empty); for a view of
+    another buffer (``Buffer.view_of``), that buffer first if it is not yet, then the view."""
+    allocated.add(b.name)
+    if b.view_of is None:
+        return [f"{b.name} = torch.empty_strided({tuple(b.shape)!r}, {tuple(b.layout)!r}, "
+                f"dtype={ops.DTYPES[b.dtype]}, device=DEVICE)"]
+    base, offset = b.view_of
+    lines = [] if base in allocated else _allocations(buffers[base], buffers, allocated)
+    return lines + [f"{b.name} = torch.as_strided({base}, {tuple(b.shape)!r}, {tuple(b.layout)!r}, {offset})"]
 
 
 def strided(r) -> str:

@@ -314,7 +314,7 @@ def _eval_kernel(step: KernelSpec, plan: Plan, buffers: dict, device) -> None:
     ev = _KernelEvaluator(buffers, device)
     for root, buf in step.roots:
         b = plan.buffers[buf]
-        out = torch.empty_strided(b.shape, b.layout, dtype=ops.DTYPES[b.dtype], device=device)
+        out = _stored(plan, buffers, b, device)
         biggest = max(n.numel for n in root.walk())
         if biggest <= CHUNK_ELEMENTS or tuple(root.shape) != tuple(b.shape) or not root.shape:
             _write(out, ev.full(root).broadcast_to(b.shape))
@@ -327,6 +327,18 @@ def _eval_kernel(step: KernelSpec, plan: Plan, buffers: dict, device) -> None:
                 hi = min(rows, lo + step_rows)
                 _write(out.narrow(dim, lo, hi - lo), ev.narrow(root, dim, lo, hi, {}))
         buffers[buf] = out
+
+
+def _stored(plan: Plan, buffers: dict, b, device) -> torch.Tensor:
+    """The tensor a kernel stores buffer ``b`` into: a new one, or for a view of another
+    buffer (a concatenation's part, codegen/concat.py) that view, the other buffer made
+    first where no part of it was stored yet."""
+    if b.view_of is None:
+        return torch.empty_strided(b.shape, b.layout, dtype=ops.DTYPES[b.dtype], device=device)
+    base, offset = b.view_of
+    if base not in buffers:
+        buffers[base] = _stored(plan, buffers, plan.buffers[base], device)
+    return torch.as_strided(buffers[base], b.shape, b.layout, offset)
 
 
 def _write(out: torch.Tensor, value: torch.Tensor) -> None:

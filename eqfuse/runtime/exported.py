@@ -164,7 +164,7 @@ class ExportedGraph:
                            for e in data["inputs"]]
         self._align = data.get("pointer_align", 16)
         self._constants = {c["name"]: self._read_constant(c) for c in data["constants"]}
-        self._buffers = [(b["name"], tuple(b["shape"]), tuple(b["strides"]), _dtype(b["dtype"]))
+        self._buffers = [(b["name"], tuple(b["shape"]), tuple(b["strides"]), _dtype(b["dtype"]), b.get("view_of"))
                          for b in data["buffers"]]
         self._outputs = data["outputs"]
         import torch.utils._pytree as pytree
@@ -214,8 +214,9 @@ class ExportedGraph:
         """Launches every kernel on checked inputs; the flat outputs."""
         bufs = dict(zip(self._input_names, inputs))
         bufs.update(self._constants)
-        for name, shape, strides, dtype in self._buffers:
-            bufs[name] = torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
+        for name, shape, strides, dtype, view_of in self._buffers:  # a view's base comes before it
+            bufs[name] = torch.empty_strided(shape, strides, dtype=dtype, device=self.device) if view_of is None \
+                else torch.as_strided(bufs[view_of[0]], shape, strides, view_of[1])
         stream = ctypes.c_void_p(self._stream())
         launch_kernel, check = self._driver.launch_prepared, self._driver.check
         for ln in self._launches:

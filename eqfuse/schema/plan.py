@@ -79,6 +79,9 @@ class Buffer:
     dtype: str
     kind: str  # input | temp | output | external
     strides: tuple | None = None  # None: contiguous (graph outputs keep eager's strides)
+    # (base buffer, element offset): this buffer is a view of the base's memory, which is
+    # allocated in its place (a concatenation's part written in place: codegen/concat.py)
+    view_of: tuple | None = None
 
     @property
     def layout(self) -> tuple:
