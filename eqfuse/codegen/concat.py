@@ -19,8 +19,9 @@ A kernel left with no roots is dropped. A sum of products over the parts, which 
 dot-cat-split made of a product of the concatenation (``a @ w[:Ka] + b @ w[Ka:]``), is that
 product again once the parts lie side by side: one product over adjacent slices of one
 buffer on each side (``_joined_products``), which cuBLAS then takes (Phi-3's input
-gradient of the fused projection, 545 us generated against about 494 for cuBLAS). The concatenation's buffer is allocated where its
-first part is written (codegen/module.py), and lives as long as any view of it.
+gradient of the fused projection, 545 us generated against about 494 for cuBLAS). The
+concatenation's buffer is allocated where its first part is written (codegen/module.py),
+and lives as long as any view of it.
 
 Only parts that nothing else ties to their own memory: a temporary buffer that one kernel
 writes contiguously, that no eager step reads and the graph does not return, and that

@@ -18,8 +18,8 @@ from ..schema.plan import (
     step_writes,
 )
 from . import kernel as kgen
-from .kmajor import kmajor_operands
 from .concat import concat_in_place
+from .kmajor import kmajor_operands
 from .library import library_products, torch_calls
 from .narrowing import narrow_stores
 from .padding import aligned_operands, pad_rows, padded_product_outputs
