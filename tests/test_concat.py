@@ -164,11 +164,13 @@ def test_the_module_allocates_the_concatenation_where_its_first_part_is_written(
     assert body.index("cat = torch.empty_strided") < body.index("torch.as_strided(cat") < body.index("k0_launch")
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["rows", "a batch of rows"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w stored transposed"])
 @pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "apart"])
-def test_a_sum_of_products_over_adjacent_slices_is_one_product(transposed, adjacent):
+def test_a_sum_of_products_over_adjacent_slices_is_one_product(transposed, adjacent, batched):
     """p0 and p1 views of one buffer side by side (or a column apart), each times its rows
-    of w: the sum, its terms in either order, is p @ w over the joined slices."""
+    of w: the sum, its terms in either order, is p @ w over the joined slices; also where
+    the parts are a batch of rows that the products see flattened, as a linear layer's."""
     r, k, n = 8, 16, 4
     gap = 0 if adjacent else 1
     width = 2 * k + gap
@@ -176,10 +178,14 @@ def test_a_sum_of_products_over_adjacent_slices_is_one_product(transposed, adjac
     parts = [PNode("slice", (1, i * (k + gap), 1), (_unary("exp", x),), (r, k), "float32")
              for i in range(2)]
     stored = (n, 2 * k + gap) if transposed else (2 * k + gap, n)
+    rows = (2, r // 2) if batched else (r,)
     buffers = {"x": Buffer("x", (r, width), "float32", "input"), "w": Buffer("w", stored, "float32", "input"),
-               "c": Buffer("c", (r, width), "float32", "temp"), "out": Buffer("out", (r, n), "float32", "output")}
+               "c": Buffer("c", (r, width), "float32", "temp"), "out": Buffer("out", (*rows, n), "float32", "output")}
+    part_strides = contiguous_strides((*rows, width))
     for i in range(2):
-        buffers[f"p{i}"] = Buffer(f"p{i}", (r, k), "float32", "temp", (width, 1), ("c", i * (k + gap)))
+        buffers[f"p{i}"] = Buffer(f"p{i}", (*rows, k), "float32", "temp", part_strides, ("c", i * (k + gap)))
+    if batched:
+        parts = [PNode("reshape", ((*rows, k),), (p,), (*rows, k), "float32") for p in parts]
 
     def rows_of_w(i):
         at = i * (k + gap)
@@ -188,9 +194,14 @@ def test_a_sum_of_products_over_adjacent_slices_is_one_product(transposed, adjac
             return PNode("permute", ((1, 0),), (load,), (k, n), "float32")
         return PNode("load", ("w", (n, 1), at * n), (), (k, n), "float32")
 
-    dots = [PNode("dot", (), (PNode("load", (f"p{i}", (width, 1), 0), (), (r, k), "float32"), rows_of_w(i)),
-                  (r, n), "float32") for i in range(2)]
+    def part(i):
+        load = PNode("load", (f"p{i}", part_strides, 0), (), (*rows, k), "float32")
+        return PNode("reshape", ((r, k),), (load,), (r, k), "float32") if batched else load
+
+    dots = [PNode("dot", (), (part(i), rows_of_w(i)), (r, n), "float32") for i in range(2)]
     total = PNode("binary", ("add",), (dots[1], dots[0]), (r, n), "float32")
+    if batched:
+        total = PNode("reshape", ((*rows, n),), (total,), (*rows, n), "float32")
     spec = KernelSpec("k1", [(total, "out")])
     plan = Plan([buffers["x"], buffers["w"]], buffers,
                 [KernelSpec("k0", [(parts[0], "p0"), (parts[1], "p1")]), spec], [("buffer", "out")])
@@ -201,8 +212,10 @@ def test_a_sum_of_products_over_adjacent_slices_is_one_product(transposed, adjac
     if not adjacent:
         assert joined is None
         return
-    a, b = joined.args
-    assert joined.op == "dot" and a.attrs == ("c", (width, 1), 0) and a.shape == (r, 2 * k)
+    product = joined.args[0] if batched else joined
+    assert joined.shape == (*rows, n) and product.op == "dot"
+    a, b = product.args
+    assert a.attrs == ("c", (width, 1), 0) and a.shape == (r, 2 * k)
     assert b.shape == (2 * k, n) and b.attrs == (("w", (1, width), 0) if transposed else ("w", (n, 1), 0))
     spec.roots = [(joined, "out")]
     torch.testing.assert_close(evaluate(plan, inputs, None), want, equal_nan=True)

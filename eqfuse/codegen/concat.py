@@ -32,6 +32,8 @@ Sized modules keep their copies (an offset is not linear in the size that rows f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import Unschedulable
 from ..schema.plan import (
     Buffer,
@@ -45,6 +47,7 @@ from ..schema.plan import (
     substitute,
 )
 from . import kernel as kgen
+from .access import strided_view
 from .kmajor import fresh_buffer_name
 
 PART_SUFFIX = "_part"
@@ -167,18 +170,23 @@ def _computable(spec: KernelSpec, root: PNode, parts: list) -> bool:
 
 
 def _joined_products(spec: KernelSpec, buffers: dict) -> PNode | None:
-    """The one product that ``spec``'s root, a sum of 2-D products, is where their left
-    operands are adjacent slices along K of one buffer's memory and so are their right
-    ones (each a plain read, the right one maybe transposed), or None."""
+    """The one product that ``spec``'s root, a sum of 2-D products (maybe reshaped, as a
+    linear layer's batch of rows is), is where their left operands are adjacent slices
+    along K of one buffer's memory and so are their right ones (each a plain read under
+    index maps that keep a view: a transpose, a reshape of rows), or None."""
     if len(spec.roots) != 1:
         return None
     root = spec.roots[0][0]
-    terms, stack = [], [root]
+    reshapes, total = [], root
+    while total.op == "reshape":
+        reshapes.append(total)
+        total = total.args[0]
+    terms, stack = [], [total]
     while stack:
         node = stack.pop()
-        if node.op == "binary" and node.attrs[0] == "add" and node.dtype == root.dtype:
+        if node.op == "binary" and node.attrs[0] == "add" and node.dtype == total.dtype:
             stack += reversed(node.args)
-        elif node.op == "dot" and len(node.shape) == 2 and node.dtype == root.dtype:
+        elif node.op == "dot" and len(node.shape) == 2 and node.dtype == total.dtype:
             terms.append(node)
         else:
             return None
@@ -196,23 +204,23 @@ def _joined_products(spec: KernelSpec, buffers: dict) -> PNode | None:
     first = terms[0]
     a = PNode("load", left[:3], (), left[3], first.args[0].dtype)
     b = PNode("load", right[:3], (), right[3], first.args[1].dtype)
-    return PNode("dot", first.attrs, (a, b), tuple(root.shape), root.dtype)
+    joined = PNode("dot", first.attrs, (a, b), tuple(total.shape), total.dtype)
+    for reshape in reversed(reshapes):
+        joined = replace(reshape, args=(joined,))
+    return joined
 
 
 def _stored_read(node: PNode, buffers: dict) -> tuple | None:
-    """(memory's buffer, strides, offset in it, shape) of a 2-D plain read, a transposed one
-    too, or None: a view of another buffer is read there."""
-    transposed = node.op == "permute" and tuple(node.attrs[0]) == (1, 0)
-    load = node.args[0] if transposed else node
-    if load.op != "load" or len(load.shape) != 2:
+    """(memory's buffer, strides, offset in it, shape) of a 2-D plain read under index
+    maps that keep a view (``strided_view``), or None: a broadcast row, or a computed one."""
+    view = strided_view(node)
+    if view is None or view[1].dim() != 2 or 0 in view[1].stride():
         return None
-    name, strides, offset = load.attrs
-    view_of = buffers[name].view_of
-    if view_of is not None:
-        name, offset = view_of[0], view_of[1] + offset
-    if transposed:
-        strides = tuple(reversed(strides))
-    return name, tuple(strides), offset, tuple(node.shape)
+    name, t = view
+    offset = t.storage_offset()
+    if buffers[name].view_of is not None:
+        name, offset = buffers[name].view_of[0], buffers[name].view_of[1] + offset
+    return name, tuple(t.stride()), offset, tuple(t.shape)
 
 
 def _adjacent(reads: list, dim: int) -> tuple | None:
