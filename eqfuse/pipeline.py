@@ -284,6 +284,8 @@ def _extract(captured, options, seconds: dict, library: bool = False):
         view = serialize(tr.egraph)
         sat.enodes, sat.eclasses = view.size()
         plan, ext_report = Extractor(view, tr, library=library).extract(deadline)
+        if view.mended:  # egglog's mixed-up vectors, read at their classes' analysed shapes
+            ext_report = {**ext_report, "mended_shapes": len(view.mended)}
     finally:
         # Dropped here, on the thread that made it: egglog's e-graph may only be freed on
         # its own thread, and the translation sits in reference cycles that the garbage
