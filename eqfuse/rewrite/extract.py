@@ -105,6 +105,7 @@ class Extractor:
         for name, cid in view.lets.items():
             if name.startswith("n_"):
                 self._fx_names.setdefault(cid, []).append(name[2:])
+        self.ill_typed: dict[str, str] = {}  # class -> its first ill-typed form, in words
         self.best = self._inline_choices()
         self._regions: dict[str, frozenset] = {}
         self._kernels: dict = {}  # (root, hosted, M within reach) -> (spec, inline, loads, reads)
@@ -229,6 +230,28 @@ class Extractor:
             return size, [size / max(1, math.prod(table[0])) if table else 1.0, 1.0]
         return size, [1.0] * len(kids)
 
+    def _well_typed(self, c, n: ENode) -> bool:
+        """Whether ``n``'s operands fit it: a product's contracted dims agree, an elementwise
+        op's operands broadcast to its class's shape. egglog 13.2 at times hands a term back
+        with another vector in place of its own (egraph_json mends the shapes its analysis
+        names); a form built on such a term is never chosen, and a class left with none is
+        an ExtractionError naming it (``ill_typed``), not a kernel the writer refuses."""
+        ty = self.types.get(c)
+        kids = [self.types.get(k) for k in self.value_children(n)]
+        if ty is None or None in kids:
+            return True  # nothing to check against
+        shapes = [k[0] for k in kids]
+        if n.op in ("Dot", "ExpDot"):
+            ok = len(shapes[0]) >= 2 and len(shapes[1]) >= 2 and shapes[0][-1] == shapes[1][-2]
+        elif n.op in ("Binary", "Where"):
+            ok = all(all(d in (1, out) for d, out in zip(reversed(s), reversed(ty[0]))) and len(s) <= len(ty[0])
+                     for s in shapes)
+        else:
+            return True
+        if not ok:
+            self.ill_typed.setdefault(c, f"{n.op} of {' and '.join(str(list(s)) for s in shapes)}")
+        return ok
+
     def _inline_choices(self) -> dict[str, ENode]:
         """Per class, its cheapest inline form: cost is work (op cost x elements) summed
         over the tree, so that among equal forms the one computing on fewer elements wins.
@@ -245,7 +268,7 @@ class Extractor:
         # over every class until none changed took one sweep per level of a deep graph: a
         # chain of 500 ops, 7.8 s)
         forms = {c: [(n, self.value_children(n), self._work(c, n)) for n in self.g.classes[c]
-                     if not self.is_self_load(n)] for c in cost}
+                     if not self.is_self_load(n) and self._well_typed(c, n)] for c in cost}
         parents: dict[str, list[str]] = {}
         for c, ns in forms.items():
             for _, kids, _ in ns:
@@ -283,6 +306,10 @@ class Extractor:
                 return
             seen.add(c)
             n = self.best.get(c)
+            formless = [k for k in self.ill_typed if k not in self.best]
+            if n is None and formless:  # what the graph needs is built on a term egglog mixed up
+                raise ExtractionError(f"egglog returned only ill-typed forms for "
+                                      f"{self.fx_names(formless[0]) or 'a value'}: {self.ill_typed[formless[0]]}")
             if n is None:
                 raise ExtractionError(f"no computable form for e-class {c} "
                                       f"({self.fx_names(c) or 'internal'})")
