@@ -235,7 +235,9 @@ class Extractor:
         op's operands broadcast to its class's shape. egglog 13.2 at times hands a term back
         with another vector in place of its own (egraph_json mends the shapes its analysis
         names); a form built on such a term is never chosen, and a class left with none is
-        an ExtractionError naming it (``ill_typed``), not a kernel the writer refuses."""
+        an ExtractionError naming it (``ill_typed``), not a kernel the writer refuses: the
+        graph is built once more from scratch, as for egglog's other mix-ups, then runs in
+        eager with that reason."""
         ty = self.types.get(c)
         kids = [self.types.get(k) for k in self.value_children(n)]
         if ty is None or None in kids:
@@ -309,7 +311,8 @@ class Extractor:
             formless = [k for k in self.ill_typed if k not in self.best]
             if n is None and formless:  # what the graph needs is built on a term egglog mixed up
                 raise ExtractionError(f"egglog returned only ill-typed forms for "
-                                      f"{self.fx_names(formless[0]) or 'a value'}: {self.ill_typed[formless[0]]}")
+                                      f"{self.fx_names(formless[0]) or 'a value'}: {self.ill_typed[formless[0]]}",
+                                      retry=True)
             if n is None:
                 raise ExtractionError(f"no computable form for e-class {c} "
                                       f"({self.fx_names(c) or 'internal'})")
