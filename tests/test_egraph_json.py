@@ -69,6 +69,7 @@ def test_a_read_with_a_mixed_up_shape_is_read_at_its_analysed_shape(mixed_up_vec
     assert len(compiled.kernels) == 1 and not compiled.fallbacks  # without the mending: no kernel, eager
     assert mixed_up_vectors and all(mixed >= 1 and mended == mixed for mixed, mended in mixed_up_vectors)
     assert compiled.report["extraction"]["mended_shapes"] >= 1
+    assert "handed back with another shape vector" in compiled.explain()
     torch.testing.assert_close(compiled(*args), linear_gelu(*args), rtol=1e-4, atol=1e-4, equal_nan=True)
 
 

@@ -513,6 +513,9 @@ class _Variant:
             if e.get("budget_spent"):
                 lines.append(f"  search: the time budget (max_seconds) ran out at {e['budget_spent']}; "
                              "the best plan found by then, untuned")
+            if e.get("mended_shapes"):
+                lines.append(f"  e-graph: {e['mended_shapes']} term(s) that egglog handed back with another "
+                             "shape vector, read at their classes' analysed shapes")
         for k in self.kernels:
             runs = f"; runs as {k.template}" if k.template else ""
             lines.append(f"  kernel {k.name}: {k.schedule.describe()}{runs}; grid {k.grid}, {k.constexprs}")
