@@ -218,8 +218,9 @@ def _stored_read(node: PNode, buffers: dict) -> tuple | None:
         return None
     name, t = view
     offset = t.storage_offset()
-    if buffers[name].view_of is not None:
-        name, offset = buffers[name].view_of[0], buffers[name].view_of[1] + offset
+    base = buffers[name].view_of
+    if base is not None:
+        name, offset = base[0], base[1] + offset
     return name, tuple(t.stride()), offset, tuple(t.shape)
 
 

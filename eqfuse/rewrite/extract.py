@@ -308,12 +308,12 @@ class Extractor:
                 return
             seen.add(c)
             n = self.best.get(c)
-            formless = [k for k in self.ill_typed if k not in self.best]
-            if n is None and formless:  # what the graph needs is built on a term egglog mixed up
-                raise ExtractionError(f"egglog returned only ill-typed forms for "
-                                      f"{self.fx_names(formless[0]) or 'a value'}: {self.ill_typed[formless[0]]}",
-                                      retry=True)
             if n is None:
+                formless = [k for k in self.ill_typed if k not in self.best]
+                if formless:  # what the graph needs is built on a term egglog mixed up
+                    raise ExtractionError(f"egglog returned only ill-typed forms for "
+                                          f"{self.fx_names(formless[0]) or 'a value'}: "
+                                          f"{self.ill_typed[formless[0]]}", retry=True)
                 raise ExtractionError(f"no computable form for e-class {c} "
                                       f"({self.fx_names(c) or 'internal'})")
             for k in self.value_children(n):
