@@ -1,5 +1,7 @@
 """Soundness: both sides of every rewrite rule agree on random inputs."""
 
+import zlib
+
 import pytest
 import torch
 from conftest import DEVICE, assert_matches
@@ -39,7 +41,7 @@ def test_adding_zero_is_no_rule_negative_zero_would_lose_its_sign():
 
 @pytest.mark.parametrize("rule", MATMUL, ids=lambda r: r.name)
 def test_matmul_rule_is_sound(rule):
-    gen = torch.Generator(device="cpu").manual_seed(hash(rule.name) % 2**31)
+    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(rule.name.encode()))
     for m, k, n in ((1, 1, 1), (5, 7, 3), (17, 33, 9)):
         a = torch.randn(m, k, dtype=torch.float64, generator=gen, device="cpu")
         b = torch.randn(k, n, dtype=torch.float64, generator=gen, device="cpu")
@@ -124,7 +126,7 @@ def test_view_rules_are_sound(seed):
 def test_softmax_rule_is_sound(rule):
     """Both sides on random scores, values and positive row factors; a score row may be
     far from zero (the row max is what keeps exp finite) and hold -inf (a mask)."""
-    gen = torch.Generator(device="cpu").manual_seed(hash(rule.name) % 2**31)
+    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(rule.name.encode()))
     for b, m, n, d in ((1, 1, 1, 1), (2, 5, 7, 3), (3, 17, 33, 9)):
         s = torch.randn(b, m, n, dtype=torch.float64, generator=gen, device="cpu") * 4 + 30
         s[..., 1:][torch.rand(b, m, n - 1, generator=gen, device="cpu") < 0.3] = float("-inf")
@@ -132,8 +134,16 @@ def test_softmax_rule_is_sound(rule):
         r = torch.rand(b, m, 1, dtype=torch.float64, generator=gen, device="cpu") + 0.5
         x = torch.exp(s - s.amax(-1, keepdim=True)) if rule.row_factor else s
         lhs, rhs = rule.pattern(TorchBuilder(), x, v, r)
-        tol = 1e-10 if rule.exact else 2e-3  # float16 rounding of the weights
-        torch.testing.assert_close(lhs, rhs, rtol=tol, atol=tol)
+        if rule.exact:
+            torch.testing.assert_close(lhs, rhs, rtol=1e-10, atol=1e-10)
+        else:
+            # The sides round the weights (and the result) to float16 at different
+            # points: each term of the sum may move by a few float16 ulps, so the bound
+            # scales with the sum of the terms' magnitudes, not with the (possibly
+            # cancelled) result.
+            weights = x if rule.row_factor else torch.exp(s - s.amax(-1, keepdim=True))
+            terms = weights @ v.abs() * 2  # r (or 1 / r) is at most 2
+            assert ((lhs - rhs).abs() <= 4 * 2.0**-10 * terms + 1e-6).all(), (lhs - rhs).abs().max()
 
 
 # --- concatenations and slices (CONCAT, and the views rules slice-read / slice-permute) ---
