@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import EqfuseError, ExtractionError, Unsupported, one_line
+from .frame_room import with_frame_room
 from .frontend.writes import mutation_problem
 
 
@@ -36,6 +37,12 @@ BUILD_LOCK = _dynamo_compile_lock()
 
 
 def build(fn, example_inputs, options) -> dict:
+    """Capture, extract, generate and load ``fn`` at ``example_inputs``: the build's
+    result (kernels, fallbacks, plan, source, report)."""
+    return with_frame_room(_build, fn, example_inputs, options)
+
+
+def _build(fn, example_inputs, options) -> dict:
     from .runtime import plan_cache
 
     if _parallel(options, example_inputs) and not plan_cache.enabled(options.plan_cache):
@@ -324,7 +331,7 @@ def plan_only(fn, example_inputs, options):
     with BUILD_LOCK:
         captured = capture(fn, example_inputs)
         with _real_tensors():
-            plan, _, _ = _extract(captured, options, {})
+            plan, _, _ = with_frame_room(_extract, captured, options, {})
     return plan, captured
 
 
