@@ -83,6 +83,9 @@ def random_program(seed: int):
             values.append(step(kind, values[i % len(values)], values[j % len(values)], k, flag))
         made = values[len(inputs):]
         return (made[-1], made[-2]) if len(made) >= 2 and steps[-1][4] else made[-1]
+    # Products of products round as sums do: their error scales with the largest output
+    # (seed 1337: eqfuse's error and eager's, against float64, both 0.098 at 2.3e5)
+    f.contracts = any(kind == "matmul" for kind, *_ in steps)
     return shapes, f
 
 
@@ -122,7 +125,7 @@ def test_random_graph_matches_eager(seed):
     assert all(torch.isfinite(r).all() for r in (ref if isinstance(ref, tuple) else (ref,)))  # the ops are bounded
     c = eqfuse.compile(f, on_device)
     assert "internal" not in c.report.get("note", ""), c.report["note"]
-    assert_matches(c(*on_device), ref)
+    assert_matches(c(*on_device), ref, contraction=f.contracts)
     if seed >= EDGE_GRAPHS:
         return
     edged = []
@@ -130,7 +133,24 @@ def test_random_graph_matches_eager(seed):
         pick = torch.rand(x.shape, generator=gen) < 0.2
         special = torch.tensor(SPECIAL)[torch.randint(len(SPECIAL), x.shape, generator=gen)]
         edged.append(torch.where(pick, special, x).to(torch.get_default_device()))
-    assert_matches(c(*edged), f(*edged))
+    got, ref = c(*edged), f(*edged)
+    exact = f(*[x.double() for x in edged])
+    got, ref, exact = ((v if isinstance(v, tuple) else (v,)) for v in (got, ref, exact))
+    assert_matches(got, tuple(_where_eager_is_not_exact(g, r, e) for g, r, e in zip(got, ref, exact)),
+                   contraction=f.contracts)
+
+
+def _where_eager_is_not_exact(got, ref, exact):
+    """Eager's outputs, except where eqfuse's element is the float64 evaluation's and
+    eager's is not: a product over a row holding an infinity and two denormals is an
+    infinity, or NaN where the denormals' partial product underflows to zero first (seed
+    1473: eqfuse -inf, as in float64; eager's float32 order NaN)."""
+    if not got.is_floating_point() or exact.shape != ref.shape:
+        return ref
+    exact = exact.to(ref.dtype)
+    def close(a, b):
+        return torch.isclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+    return torch.where(close(got, exact) & ~close(ref, exact), exact, ref)
 
 
 # What the generator found
