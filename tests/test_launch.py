@@ -241,8 +241,8 @@ def test_only_eager_steps_that_keep_to_the_stream_are_recorded():
 def test_indexing_and_the_embedding_backward_are_recorded_unless_they_read_on_the_host():
     from eqfuse.runtime.graphs import unrecordable
     from eqfuse.schema.eager_steps import substituted
-    from eqfuse.schema.from_fx import BufRef
     from eqfuse.schema.plan import BufArg
+    from eqfuse.schema.values import BufRef
 
     aten = torch.ops.aten
     rows, mask = BufRef("rows", (4,), (1,), 0), BufArg("mask")

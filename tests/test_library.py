@@ -360,7 +360,7 @@ def test_a_matrix_added_to_a_product_is_cublas_epilogue(cublas, dtype):
 
 def test_odd_dims_are_those_run_along_with_unit_stride():
     from eqfuse.codegen.library import odd_dims
-    from eqfuse.schema.from_fx import BufRef
+    from eqfuse.schema.values import BufRef
 
     def refs(*layouts):
         return [BufRef("x", shape, strides, 0) for shape, strides in layouts]

@@ -1139,7 +1139,7 @@ def test_softmax_over_rows_too_long_for_registers_reads_them_once_for_its_statis
 
 
 def test_gather_of_one_element_per_long_row_reads_only_that_element():
-    """A gather is a row sum of the selected element (schema/from_fx); over rows too long
+    """A gather is a row sum of the selected element (schema/handlers/indexing.py); over rows too long
     for registers the kernel reads the element alone, with no loop over the row."""
     x = torch.randn(4, 20000)
     x[1, 3], x[2, 9], x[3, 0] = -0.0, float("nan"), float("inf")

@@ -1216,7 +1216,7 @@ def operand_key(node: PNode, env, axes) -> tuple:
 
 def selection(x: PNode) -> tuple[PNode, PNode, PNode | None] | None:
     """(i, v, r) where ``x`` is ``where(column == i, v, 0)``, times ``r`` if ``r`` is not
-    None, with ``i`` and ``r`` constant along the row (a gather as schema/from_fx has it;
+    None, with ``i`` and ``r`` constant along the row (a gather as schema/handlers/indexing.py has it;
     cross-entropy's one-hot gradient times the loss's): its row sum is ``v * r`` at column
     ``i`` plus the other columns' ``0 * r``."""
     factor = None

@@ -41,8 +41,8 @@ the CPU too.
 from __future__ import annotations
 
 from ..runtime.cache import switched_on
-from ..schema.from_fx import BufRef
 from ..schema.plan import KernelSpec, LibraryCall, Plan, PNode
+from ..schema.values import BufRef
 from .access import meta_view, strided_view
 
 ENV = "EQFUSE_CUBLAS"

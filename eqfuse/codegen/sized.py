@@ -154,8 +154,8 @@ def _same_eager_steps(plan_a: Plan, plan_x: Plan, m: int) -> None:
 def _whole_buffers(plan: Plan) -> None:
     """The plan's eager steps given each view of a whole buffer they read (a token-id input
     as it is) as the buffer: a view spells the size out, the buffer follows it."""
-    from ..schema.from_fx import BufRef
     from ..schema.plan import BufArg
+    from ..schema.values import BufRef
 
     layouts = {b.name: (tuple(b.shape), tuple(b.layout)) for b in [*plan.inputs, *plan.buffers.values()]}
 

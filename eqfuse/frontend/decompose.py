@@ -519,9 +519,9 @@ def _index_put_at_many(x, indices, values, accumulate=False):
     here decomposed): for each position of ``x`` the last index naming it (a reduction
     over the indices), then that slot of ``values`` read there (an indexed read), ``x``
     elsewhere; where accumulating, each position's sum of the values naming it. An index
-    outside ``x`` (eager raises) gives NaN throughout, for floats. One position is
-    from_fx's pointwise write; a boolean mask (nonzero: a shape from the values) and
-    writes past CUMSUM_WORK comparisons stay ATen's."""
+    outside ``x`` (eager raises) gives NaN throughout, for floats. One position is the
+    pointwise write of schema/handlers/indexing.py; a boolean mask (nonzero: a shape from
+    the values) and writes past CUMSUM_WORK comparisons stay ATen's."""
     given = [d for d, i in enumerate(indices) if i is not None]
     if len(given) != 1:
         return NotImplemented
@@ -647,7 +647,7 @@ def _scattered(x, dim, index, src, reduce: str, include_self: bool = True):
 
 def _scatter_many(x, dim, index, src):
     """``scatter`` where a row's index names several positions, or reads part of a larger
-    source (one each, of the index's shape: from_fx's pointwise form)."""
+    source (one each, of the index's shape: schema/handlers/indexing.py's pointwise form)."""
     one_per_row = index.dim() == x.dim() and index.shape[dim] == 1 and all(
         i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != dim % max(x.dim(), 1))
     if one_per_row and (not isinstance(src, torch.Tensor) or src.shape == index.shape):
@@ -683,8 +683,8 @@ def _index_reduce(x, dim, index, source, reduce, include_self=True):
 
 
 def _put(x, index, source, accumulate=False):
-    """``put``: ``index_put`` along the flattened tensor (at one position, from_fx's
-    pointwise write)."""
+    """``put``: ``index_put`` along the flattened tensor (at one position, the pointwise
+    write of schema/handlers/indexing.py)."""
     flat, where, values = x.reshape(-1), [index.reshape(-1)], source.reshape(-1)
     made = _index_put_at_many(flat, where, values, accumulate)
     if made is NotImplemented and index.numel() == 1:

@@ -34,9 +34,9 @@ from ..codegen.kernel import generate, looped_passes, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
 from ..schema.eager_steps import underlying_op
-from ..schema.from_fx import BufRef
 from ..schema.plan import BufArg, Buffer, FallbackStep, KernelSpec, Plan, PNode, contiguous_strides, step_reads
 from ..schema.terms import bits_float, buffer_name, dtype_name
+from ..schema.values import BufRef
 from .cost import Device, device_model, kernel_time_us
 from .egraph_json import EGraphView, ENode
 
@@ -986,7 +986,7 @@ class _State:
 
 
 def _map_refs(obj, ex: Extractor):
-    from ..schema.from_fx import ArgRef
+    from ..schema.values import ArgRef
     if isinstance(obj, ArgRef):
         value = ex.g.lets[obj.name]
         if obj.view is None:

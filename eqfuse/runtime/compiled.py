@@ -597,7 +597,7 @@ def _with_sizes(value, spec):
 
 def make_fallback_runner(step: FallbackStep) -> Callable:
     """A callable that rebuilds an eager op's arguments from the buffers and runs it."""
-    from ..schema.from_fx import BufRef
+    from ..schema.values import BufRef
 
     def resolve(obj, bufs):
         if isinstance(obj, BufArg):

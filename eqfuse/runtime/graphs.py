@@ -131,7 +131,7 @@ def unrecordable(steps, dtypes: dict | None = None) -> str | None:
 
 
 def _integer(ref, dtypes: dict) -> bool:
-    """Whether the buffer an eager step reads (from_fx.BufRef / plan.BufArg) holds integers."""
+    """Whether the buffer an eager step reads (values.BufRef / plan.BufArg) holds integers."""
     from ..schema import ops
 
     dtype = dtypes.get(getattr(ref, "buf", None) or getattr(ref, "name", None))

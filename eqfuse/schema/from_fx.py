@@ -7,17 +7,18 @@ values become index-map terms. Nodes the schema lacks are recorded as eager fall
 each with a one-line reason; their computed arguments become roots that must be
 materialised, and their results become ``Input`` buffers for the rest of the graph.
 
+Each op's handler, by room (pointwise, reductions, views, indexing, products), is in
+``schema/handlers/``; the values they return, and the Translation, in ``schema/values.py``.
+
 Let-names tie e-classes back to the graph: ``n_<fx name>`` on each node's value,
 ``out_<i>`` on each graph output, ``fb_<j>_<k>`` on each fallback argument.
 """
 
 from __future__ import annotations
 
-import math
 import operator
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,79 +27,13 @@ from ..errors import Unsupported
 from ..frontend.writes import written_input
 from . import ops
 from .eager_steps import Flattened, leaves, nested, nested_as, substituted, underlying_op
+from .handlers import MOVES, handler_for
 from .ops import dtype_name
 from .plan import BufArg, contiguous_strides
+from .values import ArgRef, BufferView, BufRef, Computed, Fallback, Translation, node_meta
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-
-@dataclass
-class BufferView:
-    """A strided view of a buffer the kernels do not compute (input or eager result)."""
-    buf: str
-    shape: tuple
-    strides: tuple
-    offset: int
-    dtype: str
-    foldable: bool  # views of it may fold into its strides (inputs, eager steps' dense results)
-
-
-@dataclass
-class Computed:
-    term: Any  # a Value term
-    shape: tuple
-    dtype: str
-
-
-@dataclass
-class Fallback:
-    node: str
-    target: Any
-    args: Any  # args with FX nodes replaced by ArgRef / BufRef
-    kwargs: Any
-    reason: str
-    outputs: list  # names of the external buffers it produces (one per tensor result)
-    multi: bool
-    out_info: list = field(default_factory=list)  # (shape, dtype) per output; dtype None if opaque
-    writes: str | None = None  # the input buffer it writes in place (frontend/writes.py)
-
-
-@dataclass(frozen=True)
-class ArgRef:
-    """A computed value, materialised under let-name ``name``, passed to an eager op;
-    with ``view`` (shape, strides, offset), that view of its contiguous buffer."""
-    name: str
-    view: tuple | None = None
-
-
-@dataclass(frozen=True)
-class BufRef:
-    """An input / external buffer viewed with (shape, strides, offset), passed to an eager op."""
-    buf: str
-    shape: tuple
-    strides: tuple
-    offset: int
-
-
-@dataclass
-class Translation:
-    egraph: Any
-    inputs: list[tuple[str, tuple, str]]  # (buffer name, shape, dtype) per placeholder
-    # per flat output: ("value", let, shape, dtype, strides) | ("buffer", BufRef) | ("const", v)
-    # | ("alias", j, shape, strides): output j's tensor again, viewed so (contiguous both)
-    outputs: list
-    fallbacks: list[Fallback]
-    roots: list[str]  # let-names that must be materialised (outputs, fallback args)
-    node_names: list[str] = field(default_factory=list)
-    # fallback argument let-name -> the strides its buffer is written with: eager's layout
-    # of the argument where that is not the contiguous one, so that the step takes the
-    # buffer as it is (EagerCall) instead of a copy in that layout
-    arg_strides: dict[str, tuple] = field(default_factory=dict)
-
-
-def _meta(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 class Translator:
@@ -208,7 +143,7 @@ class Translator:
                            arg_strides=self.arg_strides)
 
     def _placeholder(self, node, index):
-        v = _meta(node)
+        v = node_meta(node)
         if not isinstance(v, torch.Tensor):
             raise Unsupported(f"input {node.name} is not a tensor")
         name = f"in{index}"
@@ -238,8 +173,8 @@ class Translator:
         if written is not None:  # an update of an input in place: an eager step (frontend/writes.py)
             self._fallback(node, f"writes input {written.name} in place", writes=self.env[written].buf)
             return
-        handler = _handler(node.target)
-        out = _meta(node)
+        handler = handler_for(node.target)
+        out = node_meta(node)
         if handler is not None and _no_elements(out):
             self._empty(node, out, f"has no elements (shape {tuple(out.shape)}): an empty tensor, nothing to compute")
             return
@@ -319,7 +254,7 @@ class Translator:
                 name = f"fb_{j}_{path}"
                 self.egraph.let(name, e.term)
                 self.roots.append(name)
-                if (layout := _layout(_meta(a))) is not None:
+                if (layout := _layout(node_meta(a))) is not None:
                     self.arg_strides[name] = layout[1]
                 return ArgRef(name)
             if isinstance(a, (list, tuple)):
@@ -328,7 +263,7 @@ class Translator:
 
         args = tuple(ref(a, str(i)) for i, a in enumerate(node.args))
         kwargs = {k: ref(a, k) for k, a in node.kwargs.items()}
-        out = _meta(node)
+        out = node_meta(node)
         multi = isinstance(out, (list, tuple))
         metas = leaves(out)
         names, entries, info = [], [], []
@@ -372,7 +307,7 @@ class Translator:
             base = base.args[0]
         if base is node or not isinstance(base, torch.fx.Node) or not isinstance(self.env.get(base), Computed):
             return None
-        mine, theirs = _meta(node), _meta(base)
+        mine, theirs = node_meta(node), node_meta(base)
         if not (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and _kernel_readable(mine)
                 and _kernel_readable(theirs) and theirs.is_contiguous()):
             return None
@@ -384,12 +319,12 @@ class Translator:
         step's), is in eager a tensor of its own rather than a view of that buffer's tensor."""
         if not isinstance(node, torch.fx.Node) or entry.buf not in self.input_storages:
             return False
-        mine, theirs = _storage(_meta(node)), self.input_storages[entry.buf]
+        mine, theirs = _storage(node_meta(node)), self.input_storages[entry.buf]
         return mine is not None and theirs is not None and mine != theirs
 
     def _output_strides(self, i: int, node) -> tuple:
         """Output ``i``'s strides: eager's where capture knows them, else the trace's."""
-        meta, known = _meta(node), self.cap.output_strides
+        meta, known = node_meta(node), self.cap.output_strides
         eager = known[i] if known is not None and i < len(known) else None
         shape = tuple(meta.shape)
         if eager is not None and len(eager) == len(shape) and eager == dense_strides(shape, eager):
@@ -460,7 +395,7 @@ def _aliased_outputs(outputs, env) -> dict:
             if a.target not in _RESHAPES or a.args[0] not in first:
                 continue
             base = a.args[0]
-        meta, base_meta = _meta(a), _meta(base)
+        meta, base_meta = node_meta(a), node_meta(base)
         if not (isinstance(meta, torch.Tensor) and isinstance(base_meta, torch.Tensor)):
             continue
         if meta.is_contiguous() and base_meta.is_contiguous() and meta.numel() == base_meta.numel():
@@ -513,12 +448,12 @@ def _check_kernel_operands(node) -> None:
     a strided tensor, its shape is known only at run time (boolean indexing, nonzero), or
     a kernel would read a tensor with no elements (kernels index every dim of what they
     read: a sum over an empty dim, a product over an empty K)."""
-    values = _meta(node)
+    values = node_meta(node)
     for v in values if isinstance(values, (tuple, list)) else (values,):
         if isinstance(v, torch.Tensor) and not _kernel_readable(v):
             raise Unsupported(_unreadable(v))
     for a in node.all_input_nodes:
-        m = _meta(a)
+        m = node_meta(a)
         if not isinstance(m, torch.Tensor):
             continue
         if not _kernel_readable(m):
@@ -553,8 +488,8 @@ class EagerCall:
     @staticmethod
     def wrap(node, out_metas, target):
         """``target`` (``node``'s op or its substitute) run with eager's layouts where it needs them."""
-        args = tuple(_layout(_meta(a)) for a in node.args)
-        kwargs = tuple((k, _layout(_meta(a))) for k, a in node.kwargs.items())
+        args = tuple(_layout(node_meta(a)) for a in node.args)
+        kwargs = tuple((k, _layout(node_meta(a))) for k, a in node.kwargs.items())
         results = tuple(_layout(m) for m in out_metas)
         if not any(args) and not any(s for _, s in kwargs) and not any(results):
             return target
@@ -649,954 +584,3 @@ def translate(captured, emulate_precision_casts: bool = False) -> Translation:
     """The graph's terms in a new e-graph; with ``emulate_precision_casts``, each op's
     narrow float result rounded to its dtype (``Translator.rounded``)."""
     return Translator(captured, emulate_precision_casts).run()
-
-
-# --- op handlers -----------------------------------------------------------------------------
-# Each handler gets the translator, the FX node (for its meta) and the resolved arguments,
-# and returns a Computed value (or a BufferView, for views of inputs).
-
-HANDLERS: dict[Any, Callable] = {}
-
-
-def _handler(target) -> Callable | None:
-    return HANDLERS.get(target) or HANDLERS.get(getattr(target, "overloadpacket", None))
-
-
-def has_kernel_form(target) -> bool:
-    """Whether eqfuse translates ``target`` into kernels (the rest runs in eager)."""
-    return _handler(target) is not None
-
-
-def handles(*targets):
-    def deco(fn):
-        for t in targets:
-            HANDLERS[t] = fn
-        return fn
-    return deco
-
-
-def _out(node):
-    m = _meta(node)
-    return tuple(m.shape), dtype_name(m.dtype)
-
-
-def _entry_meta(arg):
-    """A stand-in tensor for torch's type promotion."""
-    if isinstance(arg, (BufferView, Computed)):
-        return torch.empty((1,) * max(len(arg.shape), 1), dtype=ops.DTYPES[arg.dtype], device="meta") \
-            if len(arg.shape) else torch.empty((), dtype=ops.DTYPES[arg.dtype], device="meta")
-    return arg
-
-
-UNARY_TARGETS = {
-    aten.neg: "neg", aten.exp: "exp", aten.log: "log", aten.sqrt: "sqrt", aten.rsqrt: "rsqrt",
-    aten.tanh: "tanh", aten.sigmoid: "sigmoid", aten.relu: "relu", aten.abs: "abs", aten.erf: "erf",
-    aten.erfc: "erfc", aten.erfinv: "erfinv",
-    aten.sin: "sin", aten.cos: "cos", aten.floor: "floor", aten.ceil: "ceil",
-    aten.reciprocal: "reciprocal", aten.logical_not: "not", aten.log1p: "log1p", aten.expm1: "expm1",
-    aten.isnan: "isnan", aten.isinf: "isinf", aten.log2: "log2", aten.exp2: "exp2", aten.log10: "log10",
-    aten.trunc: "trunc", aten.sign: "sign", aten.sgn: "sign", aten.round: "round",
-    aten.signbit: "signbit", prims.signbit: "signbit", aten.sinh: "sinh", aten.cosh: "cosh", aten.tan: "tan",
-    aten.asinh: "asinh", aten.acosh: "acosh", aten.atanh: "atanh", aten.atan: "atan", aten.asin: "asin",
-    aten.acos: "acos", aten.arcsinh: "asinh", aten.arccosh: "acosh", aten.arctanh: "atanh", aten.arctan: "atan",
-    aten.arcsin: "asin", aten.arccos: "acos",
-}
-
-
-def _unary(tr, node, x, *rest, **kw):
-    op = UNARY_TARGETS[node.target.overloadpacket]
-    shape, dt = _out(node)
-    if op == "round" and (rest or kw.get("decimals") or dt == "float64"):
-        raise Unsupported("round to decimals, or of float64")
-    if op == "signbit" and x.dtype != "float32":
-        raise Unsupported(f"signbit of {x.dtype} (its kernel form reads float32's bits)")
-    if op in ops.BOOL_UNARY:
-        v = tr.operand(x, shape, x.dtype)
-        return Computed(tr.mk(tr.t.Unary(op, v), "bool", shape), shape, "bool")
-    if not ops.is_float(dt) and op not in ("neg", "abs", "relu"):
-        raise Unsupported(f"{op} on {dt}")
-    v = tr.operand(x, shape, dt)
-    return Computed(tr.mk(tr.t.Unary(op, v), dt, shape), shape, dt)
-
-
-handles(*UNARY_TARGETS)(_unary)
-
-
-@handles(aten.bitwise_not)
-def _bitwise_not(tr, node, x):
-    if x.dtype != "bool":
-        raise Unsupported("bitwise_not on integers")
-    shape, _ = _out(node)
-    return Computed(tr.mk(tr.t.Unary("not", tr.operand(x, shape, "bool")), "bool", shape), shape, "bool")
-
-
-BINARY_TARGETS = {
-    aten.add: "add", aten.sub: "sub", aten.mul: "mul", aten.div: "div", aten.maximum: "maximum",
-    aten.minimum: "minimum", aten.eq: "eq", aten.ne: "ne", aten.lt: "lt", aten.le: "le",
-    aten.gt: "gt", aten.ge: "ge", aten.logical_and: "and", aten.logical_or: "or",
-    aten.logical_xor: "xor", aten.bitwise_and: "and", aten.bitwise_or: "or", aten.bitwise_xor: "xor",
-    prims.div: "div", aten.pow: "pow", aten.fmax: "fmax", aten.fmin: "fmin", aten.atan2: "atan2",
-    aten.arctan2: "atan2", aten.hypot: "hypot",
-    aten.bitwise_right_shift: "rshift", aten.__rshift__: "rshift",
-    aten.bitwise_left_shift: "lshift", aten.__lshift__: "lshift",
-}
-
-
-def _binary(tr, node, a, b, *rest, alpha=None, rounding_mode=None, **kw):
-    op = BINARY_TARGETS[node.target.overloadpacket]
-    shape, dt = _out(node)
-    if op == "div" and rounding_mode is not None and not ops.is_float(dt):
-        return _int_division(tr, node, a, b, "floor" if rounding_mode == "floor" else "trunc")
-    if rounding_mode == "floor":
-        return _float_division(tr, node, a, b, "floordiv")
-    if rounding_mode is not None and not (rounding_mode == "trunc" and ops.is_float(dt)):
-        raise Unsupported(f"div with rounding_mode={rounding_mode!r}")
-    if op == "pow" and isinstance(a, (int, float)) and not isinstance(b, (int, float)) and ops.is_float(dt):
-        return _scalar_to_a_power(tr, a, b, shape, dt)
-    if op == "pow" and not (isinstance(b, (int, float)) and ops.is_float(dt)):
-        raise Unsupported("pow is supported on floats with a scalar exponent or a positive scalar base")
-    if op in ("and", "or", "xor") and dt != "bool":
-        op = "bit" + op  # bitwise on integers, logical on bools
-    if op.startswith("bit") or op.endswith("shift"):
-        if ops.is_float(dt):
-            raise Unsupported(f"{op} on {dt}")
-    if op in ops.COMPARISONS:
-        compute = dtype_name(torch.result_type(_entry_meta(a), _entry_meta(b)))
-        if op in ("and", "or", "xor"):
-            compute = "bool"
-    else:
-        compute = dt
-        if op == "div" and not ops.is_float(dt):
-            raise Unsupported("integer division")
-    va, vb = tr.operand(a, shape, compute), tr.operand(b, shape, compute)
-    if alpha is not None and alpha != 1:
-        vb = tr.mk(tr.t.Binary("mul", vb, tr.const(alpha, compute)), compute, shape)
-    v = tr.mk(tr.t.Binary(op, va, vb), dt, shape)
-    if rounding_mode == "trunc":  # a float quotient rounded toward zero, as torch computes it
-        v = tr.mk(tr.t.Unary("trunc", v), dt, shape)
-    return Computed(v, shape, dt)
-
-
-handles(*BINARY_TARGETS)(_binary)
-
-
-def _scalar_to_a_power(tr, base, exponent, shape, dt):
-    """``base ** exponent`` for a positive scalar base other than 1: exp2(exponent *
-    log2(base)), which is exp2 itself for base 2 (as ``ldexp`` spells it: exact at integer
-    exponents) and within a few ulps of eager's powf elsewhere (the product's rounding
-    times the result's exponent; validation judges it). NaN, infinities and zeros of the
-    exponent come out as pow's. Base 1 (1 whatever the exponent, NaN included) and bases
-    of zero or below (signs, exact zeros) stay eager. The base is first rounded to ``dt``
-    (eager's common dtype: 3.14159 ** x in bfloat16 is 3.140625 ** x); the rest is computed
-    in float32 and rounded once to ``dt``."""
-    rounded = torch.tensor(base, dtype=ops.DTYPES[dt]).item()
-    if not (rounded > 0 and rounded != 1 and math.isfinite(rounded)):
-        raise Unsupported(f"pow of the scalar base {base} to a tensor exponent")
-    base = rounded
-    wide = "float64" if dt == "float64" else "float32"
-    v = tr.operand(exponent, shape, wide)
-    if base != 2:
-        v = tr.mk(tr.t.Binary("mul", v, tr.const(math.log2(base), wide)), wide, shape)
-    return Computed(tr.cast(tr.mk(tr.t.Unary("exp2", v), wide, shape), wide, dt, shape), shape, dt)
-
-
-@handles(aten.floor_divide)
-def _floor_divide(tr, node, a, b):
-    if ops.is_float(_out(node)[1]):
-        return _float_division(tr, node, a, b, "floordiv")
-    return _int_division(tr, node, a, b, "floor")
-
-
-@handles(aten.remainder, aten.fmod)
-def _remainder(tr, node, a, b):
-    kind = "fmod" if node.target.overloadpacket is aten.fmod else "remainder"
-    if ops.is_float(_out(node)[1]):
-        return _float_division(tr, node, a, b, kind)
-    return _int_division(tr, node, a, b, kind)
-
-
-def _float_division(tr, node, a, b, op: str):
-    """Floats' ``fmod``, ``remainder`` or ``floordiv`` (a division rounded down), exact as
-    torch's (schema/ops.py: the significands' long division), for float32 and the narrower
-    floats, which are exact in float32."""
-    shape, dt = _out(node)
-    if dt == "float64":
-        raise Unsupported(f"{op} on float64 (its kernel form divides float32's significands)")
-    va, vb = tr.operand(a, shape, dt), tr.operand(b, shape, dt)
-    return Computed(tr.mk(tr.t.Binary(op, va, vb), dt, shape), shape, dt)
-
-
-def _int_division(tr, node, a, b, kind: str):
-    """Integer ``a`` divided by a nonzero integer constant ``b``: the quotient rounded toward
-    zero (``trunc``) or down (``floor``), the remainder of a's sign (``fmod``) or of b's
-    (``remainder``, Python's), as torch computes them, from C's quotient and remainder
-    (Triton's // and %). A divisor that is a tensor stays eager: at a zero, eager raises
-    on the CPU, where a kernel would hand back a number. Floats: ``_float_division``."""
-    shape, dt = _out(node)
-    if dt == "bool":
-        raise Unsupported(f"{kind} on bool")
-    if isinstance(b, bool) or not isinstance(b, int) or b == 0:
-        raise Unsupported(f"{kind} by {'a tensor' if not isinstance(b, (int, float)) else repr(b)}: integer "
-                          "division by a nonzero constant only (at a zero divisor eager raises)")
-    va, vb, zero = tr.operand(a, shape, dt), tr.const(b, dt), tr.const(0, dt)
-
-    def mk(term):
-        return tr.mk(term, dt, shape)
-
-    if b == -1:  # C's quotient by -1 overflows at the smallest integer; torch's wraps, as a product does
-        q, r = mk(tr.t.Binary("mul", va, vb)), mk(tr.t.Binary("mul", va, zero))
-    else:
-        q, r = mk(tr.t.Binary("idiv", va, vb)), mk(tr.t.Binary("irem", va, vb))
-    # a nonzero remainder of the other sign than b: floor is one below C's quotient, and
-    # Python's remainder b more than C's
-    off = tr.mk(tr.t.Binary("lt" if b > 0 else "gt", r, zero), "bool", shape)
-    if kind == "trunc":
-        v = q
-    elif kind == "fmod":
-        v = r
-    elif kind == "floor":
-        v = mk(tr.t.Where(off, mk(tr.t.Binary("sub", q, tr.const(1, dt))), q))
-    else:
-        v = mk(tr.t.Where(off, mk(tr.t.Binary("add", r, vb)), r))
-    return Computed(v, shape, dt)
-
-
-@handles(aten.where)
-def _where(tr, node, c, a, b):
-    shape, dt = _out(node)
-    vc = tr.operand(c, shape, "bool")
-    return Computed(tr.mk(tr.t.Where(vc, tr.operand(a, shape, dt), tr.operand(b, shape, dt)), dt, shape),
-                    shape, dt)
-
-
-@handles(aten.nextafter)
-def _nextafter(tr, node, a, b):
-    """The float next to a toward b, by its bits (float32: a narrower float's next is its own)."""
-    shape, dt = _out(node)
-    if dt != "float32":
-        raise Unsupported(f"nextafter on {dt} (its kernel form steps float32's bits)")
-    return Computed(tr.mk(tr.t.Binary("nextafter", tr.operand(a, shape, dt), tr.operand(b, shape, dt)), dt, shape),
-                    shape, dt)
-
-
-@handles(aten.copysign)
-def _copysign(tr, node, a, b):
-    """|a| with b's sign bit (-0.0 and a NaN carrying it count as negative), by the bits."""
-    shape, dt = _out(node)
-    if isinstance(a, (int, float)):
-        raise Unsupported("copysign of a number")
-    dtypes = [a.dtype] + ([] if isinstance(b, (int, float)) else [b.dtype])
-    if any(d != "float32" for d in (dt, *dtypes)):
-        raise Unsupported(f"copysign of {', '.join(dtypes)} (its kernel form reads float32's bits)")
-    v = tr.t.Binary("copysign", tr.operand(a, shape, dt), tr.operand(b, shape, dt))
-    return Computed(tr.mk(v, dt, shape), shape, dt)
-
-
-@handles(aten.clamp, aten.clamp_min, aten.clamp_max)
-def _clamp(tr, node, x, lo=None, hi=None, **kw):
-    shape, dt = _out(node)
-    if node.target.overloadpacket is aten.clamp_max:
-        lo, hi = None, lo
-    v = tr.operand(x, shape, dt)
-    if lo is not None:
-        v = tr.mk(tr.t.Binary("maximum", v, tr.operand(lo, shape, dt)), dt, shape)
-    if hi is not None:
-        v = tr.mk(tr.t.Binary("minimum", v, tr.operand(hi, shape, dt)), dt, shape)
-    return Computed(v, shape, dt)
-
-
-@handles(aten._to_copy, prims.convert_element_type, aten.to)
-def _to_copy(tr, node, x, *args, **kw):
-    shape, dt = _out(node)
-    literal = tr.literal(x)
-    if literal is not None:
-        # A literal of the code moved to the device (a sliding-window cache's window size,
-        # made on the CPU): its value in the new dtype, which no kernel then reads from the CPU
-        value = torch.tensor(literal, dtype=ops.DTYPES[x.dtype]).to(ops.DTYPES[dt]).item()
-        return Computed(tr.operand(value, shape, dt), shape, dt)
-    m = _meta(node)
-    if isinstance(x, (BufferView, Computed)) and str(m.device) != str(_meta(node.args[0]).device):
-        raise Unsupported("a copy between devices")
-    return Computed(tr.cast(tr.value(x), x.dtype, dt, shape), shape, dt)
-
-
-@handles(aten.copy)
-def _copy_into(tr, node, dst, src, non_blocking=False):
-    """``aten.copy(dst, src)``, a functionalised ``dst.copy_(src)`` (T5 shifting its labels
-    right): ``src``'s values broadcast to ``dst``'s shape, in ``dst``'s dtype."""
-    shape, dt = _out(node)
-    if tr.literal(src) is not None:
-        src = tr.literal(src)  # a literal of the code, on the CPU: its value (T5's start token)
-    if isinstance(src, (BufferView, Computed)) and str(_meta(node.args[1]).device) != str(_meta(node).device):
-        raise Unsupported("a copy between devices")
-    v = tr.operand(src, shape, dt)
-    if not isinstance(src, (BufferView, Computed)) and shape:
-        v = tr.mk(tr.t.Broadcast(v, tr.ivec(shape)), dt, shape)
-    return Computed(v, shape, dt)
-
-
-@handles(aten.alias, aten.detach)
-def _identity(tr, node, x, *args, **kw):
-    return x
-
-
-@handles(aten.clone, aten.lift_fresh_copy, aten.contiguous)
-def _copy(tr, node, x, *args, **kw):
-    """A copy has the values of ``x`` in a fresh, contiguous layout: views of it no
-    longer fold into the strides of ``x``'s buffer."""
-    if isinstance(x, BufferView):
-        return BufferView(x.buf, x.shape, x.strides, x.offset, x.dtype, foldable=False)
-    return x
-
-
-@handles(aten.full, aten.scalar_tensor, aten.full_like, aten.zeros_like, aten.ones_like)
-def _full(tr, node, *args, **kw):
-    shape, dt = _out(node)
-    pk = node.target.overloadpacket
-    value = {aten.full: lambda: args[1], aten.scalar_tensor: lambda: args[0],
-             aten.full_like: lambda: args[1], aten.zeros_like: lambda: 0,
-             aten.ones_like: lambda: 1}[pk]()
-    return _filled(tr, value, shape, dt)
-
-
-@handles(aten.arange)
-def _arange(tr, node, *args, **kw):
-    shape, dt = _out(node)
-    nums = [a for a in args if isinstance(a, (int, float))]
-    start, step = (0, 1)
-    if len(nums) >= 2:
-        start = nums[0]
-    if len(nums) >= 3:
-        step = nums[2]
-    v = tr.mk(tr.t.Iota(tr.ivec(shape), 0), "int64", shape)
-    v = tr.cast(v, "int64", dt, shape)
-    if step != 1:
-        v = tr.mk(tr.t.Binary("mul", v, tr.const(step, dt)), dt, shape)
-    if start != 0:
-        v = tr.mk(tr.t.Binary("add", v, tr.const(start, dt)), dt, shape)
-    return Computed(v, shape, dt)
-
-
-# --- reductions ------------------------------------------------------------------------------
-
-def _reduce(tr, x, dims, keepdim: bool, op: str, out_dtype: str, out_shape):
-    """Reduce ``x`` over ``dims``: permute the reduced dims last, flatten them, reduce the last axis."""
-    t = tr.t
-    shape = tuple(x.shape)
-    rank = len(shape)
-    dims = sorted({d % rank for d in dims}) if rank and dims else list(range(rank))
-    v = tr.cast(tr.value(x), x.dtype, out_dtype, shape)
-    if rank == 0:
-        v = tr.mk(t.Reshape(v, tr.ivec((1, 1))), out_dtype, (1, 1))
-        kept, red = [], [1]
-    else:
-        kept = [d for d in range(rank) if d not in dims]
-        perm = kept + dims
-        if perm != list(range(rank)):
-            v = tr.mk(t.Permute(v, tr.ivec(perm)), out_dtype, tuple(shape[d] for d in perm))
-        red_n = math.prod(shape[d] for d in dims)
-        flat = tuple(shape[d] for d in kept) + (red_n,)
-        if not kept:
-            flat = (1, red_n)
-        if flat != tuple(shape[d] for d in perm):
-            v = tr.mk(t.Reshape(v, tr.ivec(flat)), out_dtype, flat)
-        red = [red_n]
-    reduced_shape = tuple(shape[d] for d in kept) + (1,) if kept else (1, 1)
-    r = tr.mk(t.Reduce(op, v), out_dtype, reduced_shape)
-    if tuple(out_shape) != reduced_shape:
-        r = tr.mk(t.Reshape(r, tr.ivec(out_shape)), out_dtype, out_shape)
-    return Computed(r, tuple(out_shape), out_dtype), red[0]
-
-
-def _reduce_args(node, x, dims=None, keepdim=False, **kw):
-    if dims is None:
-        dims = []
-    if isinstance(dims, int):
-        dims = [dims]
-    return list(dims), bool(keepdim)
-
-
-@handles(aten.sum, prims.sum)
-def _sum(tr, node, x, dims=None, keepdim=False, dtype=None, **kw):
-    shape, dt = _out(node)
-    dims, keepdim = _reduce_args(node, x, dims, keepdim)
-    return _reduce(tr, x, dims, keepdim, "sum", dt, shape)[0]
-
-
-@handles(aten.amax, aten.amin)
-def _amax(tr, node, x, dims=None, keepdim=False):
-    shape, dt = _out(node)
-    dims, keepdim = _reduce_args(node, x, dims, keepdim)
-    op = "max" if node.target.overloadpacket is aten.amax else "min"
-    return _reduce(tr, x, dims, keepdim, op, dt, shape)[0]
-
-
-@handles(aten.prod)
-def _prod(tr, node, x, dim=None, keepdim=False, dtype=None):
-    shape, dt = _out(node)
-    if not ops.is_float(dt):
-        raise Unsupported("prod of integers (a float32 product of partial rows would round them)")
-    dims, keepdim = _reduce_args(node, x, dim, keepdim)
-    return _reduce(tr, x, dims, keepdim, "prod", dt, shape)[0]
-
-
-@handles(aten.any, aten.all)
-def _any_all(tr, node, x, dims=None, keepdim=False):
-    """any: the count of nonzero elements is nonzero; all: the count of zeros is zero.
-    Counted in float32 (exact to 2^24, and a count never returns to 0), so that a NaN is
-    true, as in torch, and a reduction over no elements gives any False and all True
-    (a max of flags would give -inf there)."""
-    shape, _ = _out(node)
-    dims, keepdim = _reduce_args(node, x, dims, keepdim)
-    t = tr.t
-    test = "ne" if node.target.overloadpacket is aten.any else "eq"
-    flags = tr.mk(t.Binary(test, tr.operand(x, x.shape, "float32"), tr.const(0, "float32")), "bool", tuple(x.shape))
-    count, _ = _reduce(tr, Computed(flags, tuple(x.shape), "bool"), dims, keepdim, "sum", "float32", shape)
-    return Computed(tr.mk(t.Binary(test, count.term, tr.const(0, "float32")), "bool", shape), shape, "bool")
-
-
-@handles(aten.mean)
-def _mean(tr, node, x, dims=None, keepdim=False, dtype=None):
-    shape, dt = _out(node)
-    if not ops.is_float(dt):
-        raise Unsupported("mean of integers")
-    dims, keepdim = _reduce_args(node, x, dims, keepdim)
-    s, n = _reduce(tr, x, dims, keepdim, "sum", dt, shape)
-    return Computed(tr.mk(tr.t.Binary("div", s.term, tr.const(n, dt)), dt, shape), shape, dt)
-
-
-@handles(prims.var)
-def _var(tr, node, x, dims, correction=0.0, **kw):
-    """Two-pass variance: mean first, then the mean of squared deviations (stable)."""
-    shape, dt = _out(node)
-    t = tr.t
-    rank = len(x.shape)
-    keep_shape = tuple(1 if (d in [e % rank for e in dims]) else s for d, s in enumerate(x.shape))
-    s, n = _reduce(tr, x, dims, True, "sum", dt, keep_shape)
-    mean = tr.mk(t.Binary("div", s.term, tr.const(n, dt)), dt, keep_shape)
-    xv = tr.cast(tr.value(x), x.dtype, dt, x.shape)
-    dev = tr.mk(t.Binary("sub", xv, tr.mk(t.Broadcast(mean, tr.ivec(x.shape)), dt, x.shape)), dt, x.shape)
-    sq = tr.mk(t.Binary("mul", dev, dev), dt, x.shape)
-    ss, _ = _reduce(tr, Computed(sq, tuple(x.shape), dt), dims, False, "sum", dt, shape)
-    return Computed(tr.mk(t.Binary("div", ss.term, tr.const(max(n - correction, 0), dt)), dt, shape), shape, dt)
-
-
-# --- views -----------------------------------------------------------------------------------
-
-def _view(tr, node, x, make_term):
-    """A view: folds into the strides of an input buffer, else an index-map term."""
-    shape, dt = _out(node)
-    m = _meta(node)
-    if isinstance(x, BufferView) and x.foldable:
-        base = _meta(node.args[0])
-        offset = x.offset + (m.storage_offset() - base.storage_offset())
-        return BufferView(x.buf, shape, tuple(m.stride()), offset, dt, True)
-    v = tr.value(x)
-    return Computed(tr.mk(make_term(v, shape), dt, shape), shape, dt)
-
-
-def _reshape_term(tr):
-    return lambda v, shape: tr.t.Reshape(v, tr.ivec(shape))
-
-
-@handles(aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze, aten.flatten,
-         aten.unflatten)
-def _reshape(tr, node, x, *args, **kw):
-    return _view(tr, node, x, _reshape_term(tr))
-
-
-@handles(aten.diagonal)
-def _diagonal(tr, node, x, *args, **kw):
-    """A diagonal of an input buffer: a view, folded into its strides as any view is (of a
-    computed value, no index map of the schema reads one)."""
-    if isinstance(x, BufferView) and x.foldable:
-        return _view(tr, node, x, None)
-    raise Unsupported("diagonal of a computed value")
-
-
-@handles(aten.as_strided)
-def _as_strided(tr, node, x, size, stride, storage_offset=None):
-    """A view at given strides: folded into an input buffer's strides, as any view is; of
-    a computed value, only where it reads the value's elements in their order from the
-    start (the strides of ``size`` laid out contiguously, over every element of a value
-    laid out so): a reshape. Group norm's decomposition on the CPU views its per-channel
-    scales so."""
-    base = _meta(node.args[0])
-    offset = base.storage_offset() if storage_offset is None else storage_offset
-    in_order = (base.is_contiguous() and offset == base.storage_offset() and math.prod(size) == base.numel()
-                and tuple(stride) == contiguous_strides(tuple(size)))
-    if not (in_order or (isinstance(x, BufferView) and x.foldable)):
-        raise Unsupported("as_strided of a computed value other than as a reshape")
-    return _view(tr, node, x, _reshape_term(tr))  # folds where it can
-
-
-@handles(aten.expand)
-def _expand(tr, node, x, *args, **kw):
-    return _view(tr, node, x, lambda v, shape: tr.t.Broadcast(v, tr.ivec(shape)))
-
-
-@handles(prims.broadcast_in_dim)
-def _broadcast_in_dim(tr, node, x, shape, bdims):
-    # Insert the missing dims as size 1, then broadcast.
-    inter = [1] * len(shape)
-    for src, d in enumerate(bdims):
-        inter[d] = x.shape[src]
-    t = tr.t
-    v = tr.value(x)
-    if tuple(inter) != tuple(x.shape):
-        v = tr.mk(t.Reshape(v, tr.ivec(inter)), x.dtype, tuple(inter))
-    if tuple(inter) != tuple(shape):
-        v = tr.mk(t.Broadcast(v, tr.ivec(shape)), x.dtype, tuple(shape))
-    return Computed(v, tuple(shape), x.dtype)
-
-
-@handles(aten.permute, aten.transpose, aten.t, aten.numpy_T)
-def _permute(tr, node, x, *args, **kw):
-    rank = len(x.shape)
-    pk = node.target.overloadpacket
-    if pk is aten.permute:
-        perm = [d % rank for d in args[0]]
-    elif pk is aten.transpose:
-        perm = list(range(rank))
-        a, b = args[0] % rank, args[1] % rank
-        perm[a], perm[b] = perm[b], perm[a]
-    else:
-        perm = list(reversed(range(rank)))
-    return _view(tr, node, x, lambda v, shape: tr.t.Permute(v, tr.ivec(perm)))
-
-
-def _norm_start(start, size):
-    if start is None:
-        return 0
-    if start < 0:
-        start += size
-    return min(max(start, 0), size)
-
-
-@handles(aten.slice)
-def _slice(tr, node, x, dim=0, start=None, end=None, step=1):
-    dim = dim % len(x.shape)
-    s0 = _norm_start(start, x.shape[dim])
-    shape, _ = _out(node)
-    return _view(tr, node, x, lambda v, sh: tr.t.Slice(v, dim, s0, step, shape[dim]))
-
-
-@handles(aten.select)
-def _select(tr, node, x, dim, index):
-    dim = dim % len(x.shape)
-    index = index % x.shape[dim]
-    t = tr.t
-
-    def term(v, shape):
-        sliced_shape = tuple(1 if d == dim else s for d, s in enumerate(x.shape))
-        sliced = tr.mk(t.Slice(v, dim, index, 1, 1), x.dtype, sliced_shape)
-        return t.Reshape(sliced, tr.ivec(shape))
-    return _view(tr, node, x, term)
-
-
-def _concat(tr, parts, dim: int, dt: str) -> Computed:
-    """``parts`` (entries of one rank) joined along ``dim``, cast to ``dt``."""
-    v = tr.cast(tr.value(parts[0]), parts[0].dtype, dt, parts[0].shape)
-    sofar = list(parts[0].shape)
-    for p in parts[1:]:
-        sofar[dim] += p.shape[dim]
-        v = tr.mk(tr.t.Cat(v, tr.cast(tr.value(p), p.dtype, dt, p.shape), dim), dt, tuple(sofar))
-    return Computed(v, tuple(sofar), dt)
-
-
-@handles(aten.cat)
-def _cat(tr, node, tensors, dim=0):
-    shape, dt = _out(node)
-    parts = [p for p in tensors if math.prod(p.shape) > 0 or len(p.shape) == len(shape)]
-    parts = [p for p in parts if len(p.shape) == len(shape)]
-    dim = dim % len(shape)
-    if not parts:
-        raise Unsupported("cat of nothing")
-    return _concat(tr, parts, dim, dt)
-
-
-def _part(tr, x, dim: int, start: int, size: int):
-    """``x`` narrowed to ``[start, start + size)`` along ``dim``: a strided view of an
-    input buffer, else a ``Slice`` term."""
-    sub_shape = list(x.shape)
-    sub_shape[dim] = size
-    if isinstance(x, BufferView) and x.foldable:
-        offset = x.offset + start * x.strides[dim]
-        return BufferView(x.buf, tuple(sub_shape), x.strides, offset, x.dtype, True)
-    term = tr.mk(tr.t.Slice(tr.value(x), dim, start, 1, size), x.dtype, tuple(sub_shape))
-    return Computed(term, tuple(sub_shape), x.dtype)
-
-
-# --- indexing: reads at indices the kernel loads ----------------------------------------------
-
-def _index_entry(index) -> None:
-    if not isinstance(index, (BufferView, Computed)) or not ops.is_int(index.dtype):
-        raise Unsupported("an index that is not an integer tensor")
-
-
-def _take(tr, x, dim: int, index) -> Computed:
-    """``x``'s slices along ``dim`` at the values of ``index`` (any shape, flattened), as
-    ``index_select``."""
-    _index_entry(index)
-    if not x.shape:  # a scalar's index_select: the scalar as one element
-        x = _shaped(tr, Computed(tr.value(x), (), x.dtype), (1,))
-    n = math.prod(index.shape)
-    t = tr.t
-    iv = tr.value(index)
-    if tuple(index.shape) != (n,):
-        iv = tr.mk(t.Reshape(iv, tr.ivec((n,))), index.dtype, (n,))
-    shape = tuple(n if d == dim else s for d, s in enumerate(x.shape))
-    lined = tuple(n if d == dim else 1 for d in range(len(shape)))
-    if lined != (n,):
-        iv = tr.mk(t.Reshape(iv, tr.ivec(lined)), index.dtype, lined)
-    if lined != shape:
-        iv = tr.mk(t.Broadcast(iv, tr.ivec(shape)), index.dtype, shape)
-    return Computed(tr.mk(t.Gather(tr.value(x), iv, dim), x.dtype, shape), shape, x.dtype)
-
-
-def _shaped(tr, entry: Computed, shape) -> Computed:
-    shape = tuple(shape)
-    if tuple(entry.shape) == shape:
-        return entry
-    return Computed(tr.mk(tr.t.Reshape(entry.term, tr.ivec(shape)), entry.dtype, shape), shape, entry.dtype)
-
-
-@handles(aten.index_select)
-def _index_select(tr, node, x, dim, index):
-    return _shaped(tr, _take(tr, x, dim % max(1, len(x.shape)), index), _out(node)[0])
-
-
-@handles(aten.embedding)
-def _embedding(tr, node, weight, indices, *args, **kw):
-    """A table's rows at the indices (padding_idx and the rest change only the backward)."""
-    return _shaped(tr, _take(tr, weight, 0, indices), _out(node)[0])
-
-
-@handles(aten.index)
-def _index(tr, node, x, indices):
-    """``x[..., i, j, ...]``: integer index tensors at adjacent dims after full slices
-    (``None`` entries), broadcast together: one index into those dims merged (an index
-    outside its dim reads NaN, as one outside the table does). Apart (their result's
-    dims move to the front) or a mask: eager."""
-    given = [d for d, i in enumerate(indices) if i is not None]
-    if not given or given != list(range(given[0], given[-1] + 1)):
-        raise Unsupported(f"indexing with {len(given)} index tensors apart")
-    for i in (indices[d] for d in given):
-        _index_entry(i)
-    merged = _merged_index(tr, x, given, [indices[d] for d in given])
-    k, sizes = given[0], [x.shape[d] for d in given]
-    flat_shape = tuple(x.shape[:k]) + (math.prod(sizes),) + tuple(x.shape[given[-1] + 1:])
-    flat = _shaped(tr, Computed(tr.value(x), tuple(x.shape), x.dtype), flat_shape)
-    return _shaped(tr, _take(tr, flat, k, merged), _out(node)[0])
-
-
-def _merged_index(tr, x, dims: list, indices: list) -> Computed:
-    """The index into ``x``'s ``dims`` merged (row-major) of the index tensors
-    ``indices``, broadcast together; -1 (outside) where one is outside its dim."""
-    t = tr.t
-    shape = tuple(torch.broadcast_shapes(*[tuple(i.shape) for i in indices]))
-    merged = inside = None
-    for d, index in zip(dims, indices):
-        n = x.shape[d]
-        v = tr.operand(_ranked(tr, index, len(shape)), shape, "int64")
-        negative = tr.mk(t.Binary("lt", v, tr.const(0, "int64")), "bool", shape)
-        v = tr.mk(t.Where(negative, tr.mk(t.Binary("add", v, tr.const(n, "int64")), "int64", shape), v), "int64", shape)
-        ok = tr.mk(t.Binary("and", tr.mk(t.Binary("ge", v, tr.const(0, "int64")), "bool", shape),
-                            tr.mk(t.Binary("lt", v, tr.const(n, "int64")), "bool", shape)), "bool", shape)
-        inside = ok if inside is None else tr.mk(t.Binary("and", inside, ok), "bool", shape)
-        if merged is not None:
-            merged = tr.mk(t.Binary("mul", merged, tr.const(n, "int64")), "int64", shape)
-            v = tr.mk(t.Binary("add", merged, v), "int64", shape)
-        merged = v
-    merged = tr.mk(t.Where(inside, merged, tr.const(-1, "int64")), "int64", shape)
-    return Computed(merged, shape, "int64")
-
-
-def _ranked(tr, entry, rank: int):
-    """``entry`` with leading dims of 1 up to ``rank`` (broadcasting aligns from the right)."""
-    if len(entry.shape) == rank:
-        return entry
-    shape = (1,) * (rank - len(entry.shape)) + tuple(entry.shape)
-    return Computed(tr.mk(tr.t.Reshape(tr.value(entry), tr.ivec(shape)), entry.dtype, shape), shape, entry.dtype)
-
-
-def _gathered(tr, x, dim: int, index) -> Computed:
-    """``torch.gather``: ``x`` (narrowed to ``index``'s extent in the other dims) read
-    along ``dim`` at ``index``."""
-    _index_entry(index)
-    if len(index.shape) != len(x.shape) or not x.shape:
-        raise Unsupported("gather of a scalar or across ranks")
-    for d, size in enumerate(index.shape):
-        if d != dim and size != x.shape[d]:
-            x = _part(tr, x, d, 0, size)
-    shape = tuple(index.shape)
-    return Computed(tr.mk(tr.t.Gather(tr.value(x), tr.value(index), dim), x.dtype, shape), shape, x.dtype)
-
-
-@handles(aten.constant_pad_nd)
-def _constant_pad_nd(tr, node, x, pad, value=0):
-    """``F.pad(x, pad, value=value)``: along each dim ``pad`` names (the last dim first, a
-    (before, after) pair each), ``x`` narrowed where a pad is negative and joined between
-    blocks of ``value`` where it is positive."""
-    shape, dt = _out(node)
-    if not math.prod(shape) or not math.prod(x.shape):
-        raise Unsupported("a pad to or of an empty tensor")
-    out = x
-    for i in range(len(pad) // 2):
-        dim = len(x.shape) - 1 - i
-        before, after = pad[2 * i], pad[2 * i + 1]
-        start = max(-before, 0)
-        size = out.shape[dim] - start - max(-after, 0)
-        if size <= 0:
-            raise Unsupported("a pad that cuts a dim away")
-        if size != out.shape[dim]:
-            out = _part(tr, out, dim, start, size)
-        if before > 0 or after > 0:
-            blocks = [_filled(tr, value, tuple(w if d == dim else n for d, n in enumerate(out.shape)), dt)
-                      for w in (before, after)]
-            parts = [blocks[0]] * (before > 0) + [out] + [blocks[1]] * (after > 0)
-            out = _concat(tr, parts, dim, dt)
-    return Computed(tr.cast(tr.value(out), out.dtype, dt, shape), shape, dt)
-
-
-def _filled(tr, value, shape, dt: str) -> Computed:
-    """``value`` broadcast to ``shape``, in ``dt``."""
-    v = tr.const(value, dt)
-    return Computed(tr.mk(tr.t.Broadcast(v, tr.ivec(shape)), dt, shape) if shape else v, shape, dt)
-
-
-@handles(aten.split, aten.split_with_sizes)
-def _split(tr, node, x, sizes, dim=0):
-    dim = dim % len(x.shape)
-    n = x.shape[dim]
-    if isinstance(sizes, int):
-        sizes = [min(sizes, n - s) for s in range(0, n, sizes)] or [0]
-    out, start = [], 0
-    for size in sizes:
-        out.append(_part(tr, x, dim, start, size))
-        start += size
-    return out
-
-
-@handles(aten.slice_scatter)
-def _slice_scatter(tr, node, base, src, dim=0, start=None, end=None, step=1):
-    """``base`` with ``src`` written over ``base[start:end]`` along ``dim``: with step 1 it
-    is ``cat(base[:start], src, base[end:])`` (the backward of slicing and of split, where
-    ``base`` is zeros). Empty parts are left out."""
-    if step != 1:
-        raise Unsupported(f"slice_scatter with step {step} (only step 1 is a concatenation)")
-    shape, dt = _out(node)
-    dim = dim % len(shape)
-    return _written_over(tr, base, src, dim, _norm_start(start, shape[dim]), dt)
-
-
-@handles(aten.select_scatter)
-def _select_scatter(tr, node, base, src, dim, index):
-    """``base`` with ``src`` written over ``base.select(dim, index)``: a slice_scatter of
-    ``src`` with ``dim`` put back as size 1."""
-    shape, dt = _out(node)
-    dim = dim % len(shape)
-    if not isinstance(src, (BufferView, Computed)):
-        raise Unsupported("select_scatter of a non-tensor")
-    one = (*shape[:dim], 1, *shape[dim + 1:])
-    row = Computed(tr.mk(tr.t.Reshape(tr.value(src), tr.ivec(one)), src.dtype, one), one, src.dtype)
-    return _written_over(tr, base, row, dim, index % shape[dim], dt)
-
-
-def _written_over(tr, base, src, dim: int, lo: int, dt: str) -> Computed:
-    """``base`` with ``src`` over ``[lo, lo + len)`` along ``dim``: the concatenation of
-    ``base``'s parts around it and ``src``, empty parts left out."""
-    for x in (base, src):
-        if not isinstance(x, (BufferView, Computed)):
-            raise Unsupported("a scatter of a non-tensor")
-    hi = lo + src.shape[dim]  # src has exactly the sliced extent (torch checks it)
-    parts = [_part(tr, base, dim, 0, lo), src, _part(tr, base, dim, hi, base.shape[dim] - hi)]
-    parts = [p for p in parts if p.shape[dim] > 0]
-    if not parts:  # an empty tensor: any part states it
-        parts = [src]
-    return _concat(tr, parts, dim, dt)
-
-
-# --- matrix products -------------------------------------------------------------------------
-# Capture decomposes matmul, @, linear and einsum into mm / bmm / addmm with views around
-# them; a transpose of an input folds into the strides the kernel reads it with.
-
-MATMUL_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _dot(tr, node, a, b, shape=None) -> Computed:
-    dt = _out(node)[1]
-    shape = shape or _out(node)[0]
-    for x in (a, b):
-        if not isinstance(x, (BufferView, Computed)):
-            raise Unsupported("matmul of a non-tensor")
-    if a.dtype != b.dtype:
-        raise Unsupported(f"matmul of {a.dtype} by {b.dtype}")
-    if dt not in MATMUL_DTYPES:
-        raise Unsupported(f"matmul of {dt} (eqfuse kernels take {', '.join(MATMUL_DTYPES)})")
-    if a.shape[-1] == 0:
-        raise Unsupported("matmul over an empty dimension")
-    return Computed(tr.mk(tr.t.Dot(tr.value(a), tr.value(b)), dt, shape), shape, dt)
-
-
-@handles(aten.mm, aten.bmm)
-def _mm(tr, node, a, b):
-    batched = _unflattened_batch(tr, node)
-    if batched is None:
-        return _dot(tr, node, a, b)
-    # torch's matmul flattens the batch dims of both operands into one for bmm and views
-    # the result back: the product is stated over the batch dims themselves, so that rules
-    # meet the operands as computed (the softmax feeding attention's second product).
-    a4, b4 = batched
-    d = _dot(tr, node, a4, b4, a4.shape[:-1] + b4.shape[-1:])
-    shape, dt = _out(node)
-    return Computed(tr.mk(tr.t.Reshape(d.term, tr.ivec(shape)), dt, shape), shape, dt)
-
-
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-
-
-def _unflattened_batch(tr, node):
-    """For ``bmm(view(a), view(b))`` where both views only merge the batch dims of a and b
-    (same batch shape, rank > 3): the entries of a and b. None otherwise."""
-    if node.target is not aten.bmm.default:
-        return None
-    sources = []
-    for arg in node.args[:2]:
-        if not (isinstance(arg, torch.fx.Node) and arg.target in _VIEWS):
-            return None
-        src = arg.args[0]
-        inner, outer = _meta(src), _meta(arg)
-        if inner is None or inner.dim() <= 3 or tuple(inner.shape[-2:]) != tuple(outer.shape[-2:]):
-            return None
-        sources.append(src)
-    a, b = (_meta(s) for s in sources)
-    if tuple(a.shape[:-2]) != tuple(b.shape[:-2]):
-        return None
-    return tuple(tr.env[s] for s in sources)
-
-
-@handles(aten.addmm, aten.baddbmm)
-def _addmm(tr, node, bias, a, b, beta=1, alpha=1):
-    """beta * bias + alpha * (a @ b); a zero beta ignores the bias (NaN included), as torch does."""
-    d = _dot(tr, node, a, b)
-    shape, dt = d.shape, d.dtype
-    v = d.term
-    if alpha != 1:
-        v = tr.mk(tr.t.Binary("mul", v, tr.const(alpha, dt)), dt, shape)
-    if beta != 0:
-        bv = tr.operand(bias, shape, dt)
-        if beta != 1:
-            bv = tr.mk(tr.t.Binary("mul", bv, tr.const(beta, dt)), dt, shape)
-        v = tr.mk(tr.t.Binary("add", v, bv), dt, shape)
-    return Computed(v, shape, dt)
-
-
-# --- one element per row along a dim: gather and scatter as selects ------------------------
-# Where the index has one element along ``dim`` (cross-entropy's target: nll_loss reads
-# -logp[i, target[i]] with gather, and its backward writes into zeros with scatter), the
-# op is a select against the iota along ``dim``: pointwise (scatter) or a row sum (gather),
-# which fuse into the kernels around them (the log-softmax's, its backward's) instead of
-# running in eager over a vocabulary-wide tensor.
-
-def _one_per_row(x, index, dim: int) -> int | None:
-    """``dim`` (normalised) where ``index`` has one element along it and ``x``'s sizes
-    along the others; None otherwise."""
-    if not isinstance(index, (BufferView, Computed)) or not isinstance(x, (BufferView, Computed)):
-        return None
-    if len(index.shape) != len(x.shape) or not x.shape:
-        return None
-    dim %= len(x.shape)
-    same = all(i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != dim)
-    return dim if same and index.shape[dim] == 1 and index.dtype in ("int64", "int32") else None
-
-
-def _is_index(tr, x, index, dim: int):
-    """A bool Value of ``x``'s shape: True where the position along ``dim`` is ``index``'s."""
-    shape = tuple(x.shape)
-    iota = tr.mk(tr.t.Iota(tr.ivec(shape), dim), "int64", shape)
-    return tr.mk(tr.t.Binary("eq", iota, tr.operand(index, shape, "int64")), "bool", shape)
-
-
-_ZERO = {True: -0.0, False: 0}  # the sum's identity: -0.0 + x is x, the sign of a zero too
-
-
-@handles(aten.gather)
-def _gather(tr, node, x, dim, index, sparse_grad=False):
-    """``x.gather(dim, index)`` with one index per row: the row's sum of ``x`` where the
-    position is the index, -0.0 elsewhere (exact: one value and zeros; NaN or inf elsewhere
-    in the row are not selected), which fuses into the row's other reductions (a
-    cross-entropy's log-softmax). A -0.0 selected comes back +0.0, as from every sum of
-    eqfuse's kernels (their reductions start at +0.0). Otherwise an indirect read (``_gathered``)."""
-    one = _one_per_row(x, index, dim)
-    shape, dt = _out(node)
-    if one is None or not (ops.is_float(dt) or dt in ("int64", "int32")):
-        return _gathered(tr, x, dim % max(1, len(x.shape)), index)
-    dim = one
-    fill = tr.const(_ZERO[ops.is_float(dt)], dt)
-    picked = tr.mk(tr.t.Where(_is_index(tr, x, index, dim), tr.operand(x, x.shape, dt), fill), dt, tuple(x.shape))
-    return _reduce(tr, Computed(picked, tuple(x.shape), dt), [dim], True, "sum", dt, shape)[0]
-
-
-@handles(aten.scatter)
-def _scatter(tr, node, base, dim, index, src, reduce=None):
-    """``base.scatter(dim, index, src)`` with one index per row (src a scalar, or shaped
-    as the index): ``src`` where the position along ``dim`` is the index, ``base`` elsewhere."""
-    dim = _one_per_row(base, index, dim)
-    shape, dt = _out(node)
-    if reduce is not None or dim is None:
-        raise Unsupported("scatter with more than one index per row, past CUMSUM_WORK comparisons of positions "
-                          "with indices (frontend/decompose.py), or of bools")
-    if isinstance(src, (BufferView, Computed)) and tuple(src.shape) != tuple(index.shape):
-        raise Unsupported("scatter of a source larger than its index")
-    value = tr.operand(src, shape, dt)
-    return Computed(tr.mk(tr.t.Where(_is_index(tr, base, index, dim), value, tr.operand(base, shape, dt)), dt, shape),
-                    shape, dt)
-
-
-@handles(aten.index_put)
-def _index_put(tr, node, x, indices, values, accumulate=False):
-    """``x.index_put(indices, values)`` at one position along one dim (a static cache's
-    update at a decode step's position, ``index_copy`` decomposed): ``values`` there, ``x``
-    elsewhere (``x`` plus them where accumulating), pointwise. A position outside ``x``
-    (eager raises) gives NaN throughout. Several positions along one dim arrive here only
-    where frontend/decompose.py declined them, and run in eager."""
-    given = [d for d, i in enumerate(indices) if i is not None]
-    shape, dt = _out(node)
-    if len(given) != 1 or len(indices[given[0]].shape) > 1 or math.prod(indices[given[0]].shape) != 1:
-        raise Unsupported("index_put at several positions that no kernel form takes (a boolean mask, index tensors "
-                          "at several dims or of several dims, or more positions times indices than CUMSUM_WORK)")
-    (dim,) = given
-    index = indices[dim]
-    _index_entry(index)
-    t = tr.t
-    slot = tuple(1 if d == dim else s for d, s in enumerate(shape))
-    if not isinstance(values, (BufferView, Computed)) or len(values.shape) > len(slot) or not _broadcastable_to(
-            values.shape, slot):
-        raise Unsupported("index_put of values shaped otherwise than the position they fill")
-    v = tr.operand(_ranked(tr, values, len(slot)), slot, dt)
-    if slot != shape:
-        v = tr.mk(t.Broadcast(v, tr.ivec(shape)), dt, shape)
-    ones = (1,) * len(shape)
-    position = _merged_index(tr, x, [dim], [index])  # -1 where outside
-    p = tr.mk(t.Broadcast(tr.mk(t.Reshape(position.term, tr.ivec(ones)), "int64", ones), tr.ivec(shape)),
-              "int64", shape)
-    here = tr.mk(t.Binary("eq", tr.mk(t.Iota(tr.ivec(shape), dim), "int64", shape), p), "bool", shape)
-    base = tr.operand(x, shape, dt)
-    new = tr.mk(t.Binary("add", base, v), dt, shape) if accumulate else v
-    out = tr.mk(t.Where(here, new, base), dt, shape)
-    if ops.is_float(dt):
-        outside = tr.mk(t.Binary("lt", p, tr.const(0, "int64")), "bool", shape)
-        out = tr.mk(t.Where(outside, tr.const(math.nan, dt), out), dt, shape)
-    return Computed(out, shape, dt)
-
-
-def _broadcastable_to(shape, target) -> bool:
-    """Whether ``shape`` broadcasts to ``target`` (aligned from the right)."""
-    return all(s in (1, g) for s, g in zip(reversed(tuple(shape)), reversed(tuple(target))))
-
-
-# Handlers that only move values (views, copies, concatenations): under
-# emulate_precision_casts their results need no rounding, their operands having had theirs,
-# and a rounding left out keeps the views rules free to compose them.
-MOVES = frozenset({_reshape, _expand, _broadcast_in_dim, _permute, _slice, _select, _cat, _identity, _copy})

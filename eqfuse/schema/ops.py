@@ -321,7 +321,7 @@ BINARY: dict[str, OpDef] = {op.name: op for op in [
     _stepped("atan2", torch.atan2, ATAN2, 5),
     # On integers: C's quotient toward zero and remainder of the dividend's sign (Triton's
     # // and %, as LLVM's sdiv and srem); floor division and Python's remainder are built
-    # from them (schema/from_fx.py, _int_division)
+    # from them (schema/handlers/pointwise.py, _int_division)
     OpDef("idiv", lambda a, b: torch.div(a, b, rounding_mode="trunc"), "({a} // {b})"),
     OpDef("irem", torch.fmod, "({a} % {b})"),
     # On floats (float32 and narrower, computed in float32), exact: the significands' long division

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .values import BufRef
+
 
 def contiguous_strides(shape) -> tuple:
     """Row-major element strides of ``shape``."""
@@ -261,7 +263,6 @@ def rewrite_kernels(plan: Plan, rewrite) -> None:
 def step_reads(step) -> set:
     """The buffers a step of a plan reads: a kernel's loads, a library call's operands, an
     eager step's arguments."""
-    from .from_fx import BufRef
     if isinstance(step, KernelSpec):
         return {n.attrs[0] for n in step.walk() if n.op == "load"}
     if isinstance(step, LibraryCall):
