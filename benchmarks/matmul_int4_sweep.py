@@ -22,8 +22,7 @@ import torch
 from common import bench_interleaved, inductor_compiled, save_results
 
 import eqfuse
-from eqfuse.codegen import kernel as kgen
-from eqfuse.codegen import splitk
+from eqfuse.codegen import configs, splitk
 from eqfuse.examples import MATMUL_EXAMPLES
 from eqfuse.rewrite.extract import Extractor
 from eqfuse.runtime import autotune
@@ -55,11 +54,11 @@ def main(argv=None) -> int:
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     device = torch.cuda.get_device_name()
     print(device, flush=True)
-    model_choice = kgen.tuning_candidates
+    model_choice = configs.tuning_candidates
     Extractor._storable = lambda self, c: False  # one kernel: the weights unpacked as the product loads them
     rows = []
     for tokens in a.tokens:
-        kgen.tuning_candidates = lambda sched, t=tokens: grid(t) if sched.kind == "matmul" else model_choice(sched)
+        configs.tuning_candidates = lambda sched, t=tokens: grid(t) if sched.kind == "matmul" else model_choice(sched)
         inputs = INT4.make_inputs(tokens, N, K, torch.float16, "cuda")
         ref = INT4.fn(*inputs)
         inductor, _ = inductor_compiled(INT4.fn, inputs)
@@ -80,7 +79,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"tokens {tokens} chunks {chunks}: eqfuse {t['eqfuse']:.1f} us (best product {trials[0][0]} us "
                   f"{trials[0][1]}), torch.compile {t['torch.compile']:.1f}, err {err:.1e}", flush=True)
-    kgen.tuning_candidates = model_choice
+    configs.tuning_candidates = model_choice
     save_results(a.out, rows)
     return 0
 

@@ -27,15 +27,14 @@ import torch.nn.functional as F
 from common import bench_interleaved, inductor_compiled, relative, save_results
 
 import eqfuse
-from eqfuse.codegen import kernel as kgen
-from eqfuse.codegen import matmul_templates
+from eqfuse.codegen import configs, matmul_templates
 
 VARIANTS = {"pingpong": ("pingpong", None), "coop L0": ("cooperative", 0), "coop L1": ("cooperative", 1),
             "triton": None}
 
 
 def forced(variant, tuning_candidates):
-    """``kernel.tuning_candidates`` for matmul kernels: the variant's configuration alone
+    """``configs.tuning_candidates`` for matmul kernels: the variant's configuration alone
     (the Triton kernels where the template does not apply)."""
     def candidates(sched):
         base = tuning_candidates(sched)
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="a substring of the workloads' names")
     args = p.parse_args(argv)
     os.environ["EQFUSE_PLAN_CACHE"] = "0"
-    tuning_candidates = kgen.tuning_candidates
+    tuning_candidates = configs.tuning_candidates
     print(torch.cuda.get_device_name(), flush=True)
     rows = []
     for name, fn, make in WORKLOADS:
@@ -93,11 +92,11 @@ def main(argv=None) -> int:
         for label, variant in VARIANTS.items():
             # a cache directory each: the autotuner's stored choices would carry over
             os.environ["EQFUSE_CACHE_DIR"] = f"/tmp/eqfuse-template-ab-{label.replace(' ', '-')}"
-            kgen.tuning_candidates = forced(variant, tuning_candidates)
+            configs.tuning_candidates = forced(variant, tuning_candidates)
             try:
                 compiled = eqfuse.compile(fn, inputs)
             finally:
-                kgen.tuning_candidates = tuning_candidates
+                configs.tuning_candidates = tuning_candidates
             row["chosen"][label] = [(k.template, (k.constexprs or {}).get("LOADER")) for k in compiled.kernels]
             row["err"][label] = (compiled(*inputs).float() - want.float()).abs().max().item()
             fns[f"eqfuse {label}"] = lambda c=compiled: c(*inputs)

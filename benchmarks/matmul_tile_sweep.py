@@ -38,8 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 from common import bench_interleaved, inductor_compiled, save_results, spearman  # noqa: E402
 
 import eqfuse  # noqa: E402
-from eqfuse.codegen import kernel as kgen  # noqa: E402
-from eqfuse.codegen import splitk, tiles  # noqa: E402
+from eqfuse.codegen import configs, schedules, splitk, tiles  # noqa: E402
 from eqfuse.examples import contraction_tolerance  # noqa: E402
 from eqfuse.runtime import autotune  # noqa: E402
 
@@ -137,16 +136,16 @@ def make_inputs(shapes):
 
 
 def timing_every_candidate(top: int):
-    """kernel.tuning_candidates, patched to hand the autotuner every matmul candidate in the
+    """configs.tuning_candidates, patched to hand the autotuner every matmul candidate in the
     model's order (or its ``top`` best)."""
-    real = kgen.tuning_candidates
+    real = configs.tuning_candidates
 
     def every(sched):
         if sched.kind != "matmul":
             return real(sched)
         ranked = tiles.ranked(sched)
         return ranked[:top] if top else ranked
-    kgen.tuning_candidates = every
+    configs.tuning_candidates = every
 
 
 def schedule_fields(sched) -> dict:
@@ -234,7 +233,7 @@ def rerank(path: str) -> list[dict]:
     out = []
     for row in run["results"]:
         for k in row["tile_model"]:
-            sched = kgen.Schedule(**{**k["schedule"], "batch": tuple(k["schedule"].get("batch", ()))})
+            sched = schedules.Schedule(**{**k["schedule"], "batch": tuple(k["schedule"].get("batch", ()))})
             measured = {key(t["config"]): t["measured_us"] for t in k["trials"]}
             ranked = [c for c in tiles.ranked(sched, device) if key(c) in measured]
             times = [measured[key(c)] for c in ranked]

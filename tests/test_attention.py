@@ -377,7 +377,7 @@ def test_a_matmul_kernel_with_a_reduction_names_the_operand_to_store():
     """A product reading a normalised row (RMSNorm before a projection): the matmul
     schedule refuses the reduction and names, beside it, the product's operand down to
     where the reduction joins (storing the statistics alone may not be possible)."""
-    from eqfuse.codegen.kernel import schedule_of
+    from eqfuse.codegen.schedules import schedule_of
     from eqfuse.errors import Unschedulable
     from eqfuse.schema.plan import KernelSpec, PNode
 

@@ -149,7 +149,7 @@ def on_hopper(monkeypatch):
 def hopper_schedule(monkeypatch, k):
     """The schedule a Hopper GPU gives the kernel ``k`` (compiled here with the portable
     kernel: the template does not run on the CPU)."""
-    from eqfuse.codegen.kernel import schedule_of
+    from eqfuse.codegen.schedules import schedule_of
     on_hopper(monkeypatch)
     return schedule_of(k.spec)
 
@@ -177,7 +177,7 @@ def test_an_untuned_build_runs_the_template_in_tiles_128_wide_only(monkeypatch):
     """The first candidate is the untuned configuration: the template's at head dims 96
     and 128 (faster wherever measured), the portable kernel's at 64 (within 8% either way)."""
     from eqfuse.codegen import attention
-    from eqfuse.codegen.kernel import default_config
+    from eqfuse.codegen.configs import default_config
     kernels = {d: kernel_of("attention", heads=3, seq=256, d=d)[1] for d in (128, 96, 64)}
     for d, first in ((128, 2), (96, 2), (64, None)):
         sched = hopper_schedule(monkeypatch, kernels[d])

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, assert_matches
 
 import eqfuse
-from eqfuse.codegen import kernel as kgen
-from eqfuse.codegen import kmajor, splitk
+from eqfuse.codegen import indexing, kmajor, schedules, splitk
 from eqfuse.codegen.indexing import strided_offset
 from eqfuse.schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides
 
@@ -55,7 +54,7 @@ def _reads_kmajor(compiled, product) -> list[str]:
         load = b.args[0]
         buf, strides, offset = load.attrs
         assert compiled.plan.buffers[buf].shape == load.shape and strides == contiguous_strides(load.shape)
-        env = kgen.KernelWriter.operand_env(b, kgen.matmul_envs(sched)[2])
+        env = indexing.operand_env(b, schedules.matmul_envs(sched)[2])
         expr = strided_offset(env, strides, load.shape, offset).expr
 
         def at(**moved):
@@ -219,7 +218,7 @@ def test_model_copies_the_2048_cube(tf32, monkeypatch):
     spec, buffers = _mm_spec(2048, 2048, 2048)
     (copy,), product, (buf,) = kmajor.kmajor_kernel(spec, buffers)
     assert copy.name == "k0_mm_kmajor" and buf.shape == (2048, 2048) and buf.dtype == "float32"
-    assert not kmajor.n_major(next(n for n in product.walk() if n.op == "dot").args[1], kgen.schedule_of(product))
+    assert not kmajor.n_major(next(n for n in product.walk() if n.op == "dot").args[1], schedules.schedule_of(product))
 
 
 @pytest.mark.parametrize("m, n, k", [

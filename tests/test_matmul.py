@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, assert_matches
 
 import eqfuse
+from eqfuse.codegen import configs
 from eqfuse.examples import MATMUL_EXAMPLES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -301,9 +302,8 @@ def test_which_matmuls_can_take_the_tma_form(case, expected):
 
 
 def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(monkeypatch):
-    from eqfuse.codegen import kernel as kgen
     from eqfuse.codegen import tiles, tma
-    from eqfuse.codegen.kernel import Schedule
+    from eqfuse.codegen.schedules import Schedule
     _, k = _kernel(_mm, (torch.randn(512, 256, dtype=torch.float16), torch.randn(256, 384, dtype=torch.float16)))
     h = torch.float16
     # Batched with a long K: the K loop outlasts the store, nothing for the TMA form to overlap
@@ -331,17 +331,17 @@ def test_tma_configs_are_offered_only_where_the_device_and_the_matmul_take_them(
             if c["BLOCK_M"] * c["BLOCK_N"] == 128 * 256:
                 faster = tiles.modelled_time_us(sched, c) < tiles.modelled_time_us(sched, plain)
                 assert faster is ahead, (sched.m, c)
-    assert "PROGRAMS" in tiles.ranked(big)[0] and "PROGRAMS" in kgen.tuning_candidates(big)[0]
+    assert "PROGRAMS" in tiles.ranked(big)[0] and "PROGRAMS" in configs.tuning_candidates(big)[0]
     assert batched.schedule.tma and not any("PROGRAMS" in c for c in tiles.candidates(batched.schedule))
     # Two products in one loop: the form runs (forced), but is not offered (slower on an H100)
     swiglu = MATMUL_EXAMPLES["swiglu_mlp"]
     compiled = eqfuse.compile(swiglu.fn, swiglu.make_inputs(64, 64, 64, torch.float16, DEVICE))
     two = compiled.kernels[0].schedule
-    assert two.dots == 2 and two.tma and kgen.fits(two, TMA_CFG)
+    assert two.dots == 2 and two.tma and configs.fits(two, TMA_CFG)
     assert not any("PROGRAMS" in c for c in tiles.candidates(two))
     # A cached or user config in the TMA form is refused for a matmul that cannot take it
-    assert kgen.fits(k.schedule, TMA_CFG) and not kgen.fits(computed.schedule, TMA_CFG)
-    assert not kgen.fits(k.schedule, {**TMA_CFG, "PROGRAMS": 0})
+    assert configs.fits(k.schedule, TMA_CFG) and not configs.fits(computed.schedule, TMA_CFG)
+    assert not configs.fits(k.schedule, {**TMA_CFG, "PROGRAMS": 0})
 
 
 def _tma_module(compiled, kernel_name, cfg=TMA_CFG):
@@ -453,7 +453,7 @@ def test_tile_model_hides_a_short_k_matmuls_store_behind_other_programs():
     tile of which an SM holds several (one's store overlaps another's loads); a long-K
     matmul keeps the big tile."""
     from eqfuse.codegen import tiles
-    from eqfuse.codegen.kernel import Schedule
+    from eqfuse.codegen.schedules import Schedule
     scores = Schedule("matmul", batch=(256,), m=2048, n=2048, k=128, dot_dtype="float16", dots=1)
     best = tiles.ranked(scores)[0]
     assert tiles.resident(scores, best) > 1
@@ -462,7 +462,7 @@ def test_tile_model_hides_a_short_k_matmuls_store_behind_other_programs():
 
 
 def _gpt2_product(m, n, k, **kw):
-    from eqfuse.codegen.kernel import Schedule
+    from eqfuse.codegen.schedules import Schedule
     return Schedule("matmul", m=m, n=n, k=k, dot_dtype="float16", dots=1, tma=True, **kw)
 
 
@@ -494,7 +494,7 @@ def test_tile_model_first_choice_at_gpt2_and_llama_sizes(monkeypatch, shape, rea
 def test_tile_model_terms(monkeypatch):
     """Each term of the model moves the time the way the H100 measurements did."""
     from eqfuse.codegen import tiles, tma
-    from eqfuse.codegen.kernel import Schedule
+    from eqfuse.codegen.schedules import Schedule
     monkeypatch.setattr(tma, "device_supports", lambda: True)
     monkeypatch.setattr(tma, "sm_count", lambda: 132)
     llama = _gpt2_product(16384, 4096, 4096)
@@ -534,7 +534,7 @@ def test_tile_model_terms(monkeypatch):
 
 
 def test_single_stage_last_resorts_are_new_pipelined_tiles():
-    from eqfuse.codegen.kernel import single_stage
+    from eqfuse.codegen.configs import single_stage
     a = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 4}
     b = {**a, "num_stages": 3}
     tma = {**a, "PROGRAMS": 132}

@@ -139,7 +139,7 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
     unchunked = {key: v for key, v in pp.items() if key != "CHUNK"}  # a cached config from before CHUNK was one
     assert not templates.runnable(unchunked, k.schedule) and not templates.runnable({**pp, "CHUNK": 4}, k.schedule)
     assert templates.runnable(coop4, k.schedule) and not templates.runnable({**coop, "LOADER": 2}, k.schedule)
-    from eqfuse.codegen.kernel import fits
+    from eqfuse.codegen.configs import fits
     stale = {"PINGPONG": 1, **{key: v for key, v in pp.items() if key != "TEMPLATE"}}  # an earlier cache's spelling
     assert fits(k.schedule, pp) and not fits(k.schedule, stale)
     unrounded = dataclasses.replace(k.schedule, rounded=False)  # the product not in the operands' dtype
@@ -152,7 +152,7 @@ def test_offered_on_a_hopper_gpu_unless_switched_off(monkeypatch):
 @pytest.mark.parametrize("name,first", [("gelu_bias", True), ("silu_linear", True), ("relu_scaled", False),
                                         ("linear_residual", False)])
 def test_an_untuned_build_takes_the_template_first_for_a_special_function(monkeypatch, name, first):
-    from eqfuse.codegen.kernel import fallback_candidates, tuning_candidates
+    from eqfuse.codegen.configs import fallback_candidates, tuning_candidates
     _, k, _ = matmul_kernel(name)
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     assert (fallback_candidates(k.schedule)[0].get("TEMPLATE") == "pingpong") == first
@@ -168,7 +168,7 @@ def test_an_untuned_build_takes_the_cooperative_template_first_for_a_light_epilo
     """At least WAVES 128 x 256 tiles an SM (132 SMs: 8192 x 4096 has 7.8; GPT-2's q/k/v
     projection 4.4, its MLP output 1.5): the Triton kernels first otherwise."""
     from eqfuse.codegen import tma
-    from eqfuse.codegen.kernel import fallback_candidates
+    from eqfuse.codegen.configs import fallback_candidates
     monkeypatch.setattr(flash, "device_supports", lambda: True)
     monkeypatch.setattr(tma, "sm_count", lambda: 132)
     _, k, _ = matmul_kernel("relu_scaled")

@@ -183,7 +183,7 @@ def test_every_autotune_candidate_is_correct(name, rows, cols):
     """The autotuner may pick any candidate: each must compute the same function."""
     from conftest import DEVICE, assert_matches
 
-    from eqfuse.codegen.kernel import tuning_candidates
+    from eqfuse.codegen.configs import tuning_candidates
     from eqfuse.codegen.module import generate_module
     ex = EXAMPLES[name]
     inputs = ex.make_inputs(rows, cols, torch.float32, DEVICE)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import eqfuse.backend
-from eqfuse.codegen import kernel
+from eqfuse.codegen import schedules
 from eqfuse.codegen.module import generate_module
 from eqfuse.codegen.sized import NotSized, _merged, far_size, per_size, sized_module
 from eqfuse.models import LlamaLayer
@@ -149,7 +149,7 @@ def test_a_window_wider_than_the_sizes_compared_is_not_sized():
     so."""
     sizes = (6, 7, far_size(6))
     plans = [plan_only(_windowed_attention, [torch.randn(2, n, 16) for _ in range(3)], Options())[0] for n in sizes]
-    assert kernel.schedule_of(plans[0].kernels[0]).band == (-5, 0)
+    assert schedules.schedule_of(plans[0].kernels[0]).band == (-5, 0)
     with pytest.raises(NotSized, match="its mask compares indices with 20"):
         sized_module(list(zip(sizes, plans)), "window", "test", {})
 
@@ -211,7 +211,7 @@ def test_a_sized_matmul_takes_the_tiles_best_across_sizes():
     """A sized module made at 2560 rows (640 tokens of 4) runs 20480 too: its tiles are
     the least worst across SIZES_AHEAD, not the model's first at 2560 rows."""
     from eqfuse.codegen import tiles
-    from eqfuse.codegen.kernel import Schedule
+    from eqfuse.codegen.schedules import Schedule
     from eqfuse.codegen.sized import SIZES_AHEAD, _schedule_at, across_sizes
 
     at_n = Schedule("matmul", m=2560, n=2048, k=2048, dot_dtype="float16", dots=1)

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, assert_matches
 
 import eqfuse
-from eqfuse.codegen import kernel as kgen
-from eqfuse.codegen import split, splitk
+from eqfuse.codegen import schedules, split, splitk
 from eqfuse.schema.plan import Buffer, KernelSpec, Plan, PNode
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -142,10 +141,10 @@ def _weight_grad_spec(m, n, tokens=8192, dtype="float16"):
 
 def test_gpt2_attention_projection_gradient_splits_k_evenly():
     spec, buffers = _weight_grad_spec(768, 768)
-    tiles = splitk.output_tiles(kgen.schedule_of(spec))
+    tiles = splitk.output_tiles(schedules.schedule_of(spec))
     assert tiles < splitk.tma.sm_count()
     first, second, partials = splitk.split_kernel(spec, buffers)
-    s1, s2 = kgen.schedule_of(first), kgen.schedule_of(second)
+    s1, s2 = schedules.schedule_of(first), schedules.schedule_of(second)
     chunks = s1.batch[0]
     assert 8192 % chunks == 0 and s1.k * chunks == 8192 and s1.k >= splitk.MIN_CHUNK
     assert tiles * chunks <= splitk.MAX_WAVES * splitk.tma.sm_count()
@@ -225,7 +224,7 @@ def test_int4_weights_at_prompt_sizes_are_dequantised_once():
 
 def test_computed_operands_take_one_stage_tiles():
     spec, _ = _weight_grad_spec(768, 768)
-    sched = kgen.schedule_of(spec)
+    sched = schedules.schedule_of(spec)
     plain = splitk.tiles.candidates(sched)
     computed = splitk.tiles.candidates(replace(sched, gathered=2, gathered_sides=(1,)))
     assert any(c["num_stages"] > 1 for c in plain)

@@ -12,8 +12,7 @@ import torch
 from conftest import assert_matches
 
 import eqfuse
-from eqfuse.codegen import kernel as kgen
-from eqfuse.codegen import split
+from eqfuse.codegen import configs, schedules, split
 from eqfuse.schema.plan import Buffer, KernelSpec, Plan, PNode
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -210,16 +209,16 @@ def _token_sum_spec(tokens=8192, features=768, dtype="float16"):
 
 def test_gpt2_bias_gradient_gets_two_to_four_programs_per_sm():
     spec, buffers = _token_sum_spec()
-    sched = kgen.schedule_of(spec)
-    assert sched.columns and sched.grid(kgen.default_config(sched)) == (48,)  # 16 rows a program
+    sched = schedules.schedule_of(spec)
+    assert sched.columns and sched.grid(configs.default_config(sched)) == (48,)  # 16 rows a program
     first, second, partials = split.split_kernel(spec, buffers)
-    s1, s2 = kgen.schedule_of(first), kgen.schedule_of(second)
+    s1, s2 = schedules.schedule_of(first), schedules.schedule_of(second)
     chunks = s2.cols
     assert 8192 % chunks == 0 and s1.rows == chunks * 768
     # Stage 1's reads still run along its rows (its row index crosses from one chunk to the
     # next at the middle, where the scheduler's probe looks), so it is tiled across them
     assert s1.columns
-    programs = s1.grid(kgen.default_config(s1))[0]
+    programs = s1.grid(configs.default_config(s1))[0]
     sms = split.tma.sm_count()
     assert 2 * sms <= programs <= 4 * sms, (chunks, programs)
     assert [b.shape for b in partials] == [(chunks, 768, 1)]

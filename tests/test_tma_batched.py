@@ -9,9 +9,8 @@ import torch
 from conftest import DEVICE, assert_matches
 
 import eqfuse
-from eqfuse.codegen import kernel as kgen
-from eqfuse.codegen import tiles, tma
-from eqfuse.codegen.kernel import Schedule
+from eqfuse.codegen import configs, tiles, tma
+from eqfuse.codegen.schedules import Schedule
 
 H, BF, F32 = torch.float16, torch.bfloat16, torch.float32
 TMA_CFG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 3, "PROGRAMS": 5}
@@ -114,7 +113,7 @@ def test_model_picks_the_tma_form_for_llamas_scores_and_not_for_its_long_k_produ
     best = tiles.ranked(scores)[0]
     assert "PROGRAMS" in best and best["BLOCK_M"] * best["BLOCK_N"] == 128 * 256, best
     assert best["PROGRAMS"] == 132  # one per SM: tiles of every matrix count
-    assert kgen.default_config(scores) == best
+    assert configs.default_config(scores) == best
     pv = Schedule("matmul", m=2048, n=128, k=2048, **LLAMA)
     assert not any("PROGRAMS" in c for c in tiles.candidates(pv))
     without = tiles.ranked(pv)
@@ -132,12 +131,12 @@ def test_compiled_scores_offer_the_tma_form_where_it_pays(hopper):
     # per tile (each program first makes its descriptors), so the autotuner's finalists may not hold it
     _, k = _kernel(*_cases(H)["scores causal"])
     offered = [c for c in tiles.candidates(k.schedule) if "PROGRAMS" in c]
-    assert offered and all(kgen.fits(k.schedule, c) for c in offered)
+    assert offered and all(configs.fits(k.schedule, c) for c in offered)
     n_tiles = lambda c: 6 * -(-33 // c["BLOCK_M"]) * -(-56 // c["BLOCK_N"])  # noqa: E731
     assert all(c["PROGRAMS"] == min(132, n_tiles(c)) for c in offered)
     _, masked = _kernel(*_cases(H)["scores mask input"])
     assert masked.schedule.tma and not any("PROGRAMS" in c for c in tiles.candidates(masked.schedule))
-    assert kgen.fits(masked.schedule, TMA_CFG)  # still runnable when forced
+    assert configs.fits(masked.schedule, TMA_CFG)  # still runnable when forced
 
 
 def _forced(compiled, k, cfg=TMA_CFG):

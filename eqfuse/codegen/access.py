@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..schema.plan import PNode
-from .indexing import ZERO, Digit, Env, Idx, env_key, gathered_env, shifted_env, strided_offset
+from .indexing import ZERO, Digit, Env, Idx, env_key, gathered_env, operand_env, shifted_env, strided_offset
 
 INDEX_MAPS = ("broadcast", "reshape", "permute", "slice")
 
@@ -22,7 +22,6 @@ def loads_at(node: PNode, env: Env) -> list:
 
 
 def _walk(node: PNode, env: Env, out: list, seen: set):
-    from .kernel import KernelWriter
     key = (id(node), env_key(env))
     if key in seen:
         return
@@ -30,7 +29,7 @@ def _walk(node: PNode, env: Env, out: list, seen: set):
     if node.op == "load":
         out.append((node, env))
     elif node.op in INDEX_MAPS:
-        _walk(node.args[0], KernelWriter.operand_env(node, env), out, seen)
+        _walk(node.args[0], operand_env(node, env), out, seen)
     elif node.op == "cat":
         (dim,) = node.attrs
         a, b = node.args

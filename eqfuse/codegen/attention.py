@@ -37,7 +37,8 @@ from ..schema import ops
 from ..schema.plan import KernelSpec, PNode, chain_cut, operand_cut, readers, reads_any
 from . import tma
 from .indexing import Env, Idx, env_of, reshape_env, strided_offset
-from .kernel import KernelWriter, Val, literal, next_pow2, operand_key
+from .kernel import KernelWriter, Val, literal, operand_key
+from .schedules import next_pow2
 from .tiles import MIN_BLOCK, well_formed
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), each timed by the autotuner. The first is the
@@ -100,7 +101,7 @@ def spelled_out(spec: KernelSpec) -> KernelSpec:
 
 
 def attention_schedule(spec: KernelSpec, flows: list[PNode]):
-    from .kernel import MAX_GRID_Y, Schedule
+    from .schedules import MAX_GRID_Y, Schedule
 
     scores = {id(f.args[0]): f.args[0] for f in flows}
     if len(scores) != 1:

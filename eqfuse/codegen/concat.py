@@ -46,7 +46,7 @@ from ..schema.plan import (
     returned_buffers,
     substitute,
 )
-from . import kernel as kgen
+from . import schedules
 from .access import strided_view
 from .kmajor import fresh_buffer_name
 
@@ -161,7 +161,7 @@ def _computable(spec: KernelSpec, root: PNode, parts: list) -> bool:
     """Whether ``spec``, a pointwise kernel, stays one with the computed ``parts`` as roots
     in place of ``root``: every root then of one size."""
     try:
-        if kgen.schedule_of(spec).kind != "pointwise":
+        if schedules.schedule_of(spec).kind != "pointwise":
             return False
     except Unschedulable:
         return False

@@ -279,5 +279,18 @@ def gathered_env(env: Env, dim: int, index: Idx, src_shape, digits: bool = False
     return Env(tuple(src_shape), tuple(dims), None, groups, env.guard)
 
 
+def operand_env(node, env) -> Env:
+    """Where an index map's operand is evaluated, given where the map itself is."""
+    src = node.args[0].shape
+    if node.op == "broadcast":
+        return broadcast_env(env, src)
+    if node.op == "reshape":
+        return reshape_env(env, src)
+    if node.op == "permute":
+        return permute_env(env, node.attrs[0], src)
+    dim, start, step = node.attrs
+    return slice_env(env, dim, start, step, src)
+
+
 def env_key(env: Env):
     return (env.shape, env.dims, env.guard)

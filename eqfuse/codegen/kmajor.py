@@ -62,7 +62,7 @@ from ..errors import Unschedulable
 from ..rewrite.cost import Device, device_model, load_footprint
 from ..runtime.cache import switched_on
 from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, rewrite_kernels, substitute
-from . import access, tiles
+from . import access, schedules, tiles
 from . import kernel as kgen
 
 SUFFIX = "_kmajor"
@@ -101,7 +101,7 @@ def kmajor_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:
     """([copy kernels], the product reading them, [their Buffers]) for a matmul kernel whose
     TF32 products gain by K-major right operands, else None."""
     try:
-        sched = kgen.schedule_of(spec)
+        sched = schedules.schedule_of(spec)
     except Unschedulable:
         return None
     if sched.kind != "matmul" or sched.dot_dtype != "float32" or not tf32_allowed():
@@ -114,7 +114,7 @@ def kmajor_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:
     if not FORCE and (copied < MIN_ELEMENTS or sched.m < MIN_M):
         return None
     copies, product, new_buffers = build(spec, rights, buffers)
-    if not FORCE and modelled_gain_us(sched, kgen.schedule_of(product), copied * 4, len(copies)) <= 0:
+    if not FORCE and modelled_gain_us(sched, schedules.schedule_of(product), copied * 4, len(copies)) <= 0:
         return None
     try:  # the writers take them all, or the kernel stays as it was
         known = {**buffers, **{b.name: b for b in new_buffers}}
@@ -125,17 +125,17 @@ def kmajor_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:
     return copies, product, new_buffers
 
 
-def n_major(node: PNode, sched: kgen.Schedule) -> bool:
+def n_major(node: PNode, sched: schedules.Schedule) -> bool:
     """Whether a right operand is a plain float32 read (index maps over a load) of as many
     elements as it has (a broadcast, a stride of 0 over the batch, would be copied once per
     matrix) whose address steps by one along N and not along K. With K or N of 1 the two
     layouts are one."""
     if sched.k < 2 or sched.n < 2:
         return False
-    base = kgen.base_read(node)
+    base = schedules.base_read(node)
     if base.op != "load" or base.dtype != "float32" or load_footprint(base) != node.numel:
         return False
-    ((load, env),) = access.loads_at(node, kgen.matmul_envs(sched)[2])
+    ((load, env),) = access.loads_at(node, schedules.matmul_envs(sched)[2])
     point = {"bindex": 0, "kindex_b": max(0, sched.k // 2 - 1), "nindex": max(0, sched.n // 2 - 1)}
     along_n = access.address_step(load, env, "nindex", point)
     return along_n == 1 and access.address_step(load, env, "kindex_b", point) != 1
@@ -174,7 +174,7 @@ def fresh_buffer_name(base: str, buffers: dict, taken: list = ()) -> str:
     return out
 
 
-def modelled_gain_us(before: kgen.Schedule, after: kgen.Schedule, copied_bytes: int, copies: int,
+def modelled_gain_us(before: schedules.Schedule, after: schedules.Schedule, copied_bytes: int, copies: int,
                      device: Device | None = None) -> float:
     """Modelled microseconds saved: the product with N-major right operands, less the
     product with K-major ones and the copies (read and written at the memory bandwidth,

@@ -94,7 +94,8 @@ def eligible(sched) -> bool:
 
 def form(spec: KernelSpec, sched, buffers: dict) -> Form | None:
     """The template's view of a matmul kernel, or None where the template cannot run it."""
-    from .kernel import KernelWriter, _operand_sides, operand_box
+    from .kernel import KernelWriter
+    from .schedules import _operand_sides, operand_box
 
     if not eligible(sched) or len(spec.roots) != 1:
         return None

@@ -18,7 +18,9 @@ from ..schema.plan import (
     step_writes,
 )
 from . import kernel as kgen
+from . import schedules
 from .concat import concat_in_place
+from .configs import LAUNCH_OPTIONS, unaligned_config
 from .kmajor import kmajor_operands
 from .library import library_products, torch_calls
 from .narrowing import narrow_stores
@@ -56,7 +58,7 @@ class KernelInfo:
     constexprs: dict
     grid: tuple
     launch: dict  # num_warps, num_stages
-    schedule: kgen.Schedule
+    schedule: schedules.Schedule
     params: list = field(default_factory=list)
     spec: KernelSpec | None = None
     aligned: list = field(default_factory=list)  # params the kernel reads or writes through TMA
@@ -79,13 +81,13 @@ class KernelInfo:
 def kernel_info(spec: KernelSpec, buffers: dict, cfg: dict | None = None,
                 runtime: frozenset = frozenset(), order: list | None = None) -> KernelInfo:
     g = kgen.generate_kernel(spec, buffers, cfg, runtime, order)
-    launch = g.launch if g.launch is not None else {k: v for k, v in g.cfg.items() if k in kgen.LAUNCH_OPTIONS}
+    launch = g.launch if g.launch is not None else {k: v for k, v in g.cfg.items() if k in LAUNCH_OPTIONS}
     constexprs = g.constexprs if g.constexprs is not None else \
-        {**g.sched.sizes, **{k: v for k, v in g.cfg.items() if k not in kgen.LAUNCH_OPTIONS}}
+        {**g.sched.sizes, **{k: v for k, v in g.cfg.items() if k not in LAUNCH_OPTIONS}}
     info = KernelInfo(spec.name, g.text, list(spec.fx_nodes), constexprs, g.grid or g.sched.grid(g.cfg), launch,
                       g.sched, g.params, spec, g.aligned, template=g.template, cfg=dict(g.cfg))
     if g.aligned:  # a TMA kernel: a pointer kernel, same arguments, for unaligned addresses
-        plain = kgen.unaligned_config(g.sched, g.cfg)
+        plain = unaligned_config(g.sched, g.cfg)
         info.fallback = kernel_info(replace(spec, name=f"{spec.name}_unaligned"), buffers, plain, runtime,
                                     order=g.params)
         if not set(info.fallback.params) <= set(info.params):  # not seen: both read the same buffers

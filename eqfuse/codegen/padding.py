@@ -43,9 +43,9 @@ from ..schema.plan import (
     returned_buffers,
     substitute,
 )
-from .kernel import base_read
 from .kmajor import fresh_buffer_name
 from .library import ALIGNMENT, library_call  # ALIGNMENT: bytes cuBLAS's vectorised kernels and TMA need of a stride
+from .schedules import base_read
 
 ROW_ALIGNMENT = 128  # bytes: a row starting a cache line, as Inductor pads
 MIN_ROW = 1024  # elements: shorter rows keep their width (padding would cost more than it gives)

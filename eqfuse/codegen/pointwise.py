@@ -70,12 +70,12 @@ def tiled_env(root: PNode, inner: int) -> Env:
 
 
 def default_config(numel: int, inner: int) -> dict:
-    from .kernel import next_pow2
+    from .schedules import next_pow2
     return {"YBLOCK": min(64, next_pow2(numel // inner)), "XBLOCK": min(64, next_pow2(inner)), "num_warps": 4}
 
 
 def tuning_candidates(numel: int, inner: int) -> list[dict]:
-    from .kernel import next_pow2
+    from .schedules import next_pow2
     out = [default_config(numel, inner)]
     for y, x, warps in ((32, 32, 4), (64, 32, 4), (32, 64, 4), (128, 64, 8), (64, 128, 8)):
         cfg = {"YBLOCK": min(y, next_pow2(numel // inner)), "XBLOCK": min(x, next_pow2(inner)), "num_warps": warps}

@@ -38,8 +38,8 @@ from ..export import evaluate_grid_formula, grid_formula, grid_sizes
 from ..runtime.launch import at_size
 from ..schema import ops
 from ..schema.plan import Plan
-from . import kernel as kgen
-from . import tiles
+from . import schedules, tiles
+from .configs import default_config, fits
 from .module import KernelInfo, assemble, call_lines, kernel_info, launch_options, prepare
 
 SIZE = "SIZE"
@@ -123,7 +123,7 @@ def sized_module(samples: list, title: str, version: str, configs: dict, complet
     configs = sized_configs(samples, configs)
     if complete is not None:
         configs = complete(n, plan_a, configs)
-    configs = {**{k.name: kgen.default_config(kgen.schedule_of(k)) for k in plan_a.kernels if k.name not in configs},
+    configs = {**{k.name: default_config(schedules.schedule_of(k)) for k in plan_a.kernels if k.name not in configs},
                **configs}
     configs = _fitting(configs, [plan for _, plan in samples])
     made = [_merged_module(plan_a, plan_x, n, m, title, version, configs) for m, plan_x in others]
@@ -178,7 +178,7 @@ def sized_configs(samples: list, first: dict) -> dict:
     (n, plan_a), (m, plan_b), *_ = samples
     out = {}
     for ka, kb in zip(plan_a.kernels, plan_b.kernels):  # the same kernels (_same_plan)
-        sa, sb = kgen.schedule_of(ka), kgen.schedule_of(kb)
+        sa, sb = schedules.schedule_of(ka), schedules.schedule_of(kb)
         if sa.kind == sb.kind == "matmul" and sa != sb:
             out[ka.name] = across_sizes(sa, sb, n, m)
         elif ka.name in first:
@@ -192,7 +192,7 @@ def across_sizes(sa, sb, n: int, m: int) -> dict:
     candidate's worst ratio to the best there (ties: the model's order at n)."""
     scheds = [_schedule_at(sa, sb, n, m, max(1, round(f * n))) for f in SIZES_AHEAD]
     ranked = tiles.ranked(sa)
-    candidates = [c for c in ranked if kgen.fits(sb, c)] or ranked
+    candidates = [c for c in ranked if fits(sb, c)] or ranked
     times = [[tiles.modelled_time_us(s, c) for s in scheds] for c in candidates]
     best = [min(t[i] for t in times) for i in range(len(scheds))]
     worst = [max(t[i] / best[i] for i in range(len(scheds))) for t in times]
@@ -214,9 +214,9 @@ def _fitting(configs: dict, plans: list) -> dict:
     tiles one program per tile."""
     out = dict(configs)
     for name, cfg in configs.items():
-        scheds = [kgen.schedule_of(k) for plan in plans for k in plan.kernels if k.name == name]
+        scheds = [schedules.schedule_of(k) for plan in plans for k in plan.kernels if k.name == name]
         plain = {k: v for k, v in cfg.items() if k != "PROGRAMS"}
-        if plain != cfg and not all(kgen.fits(s, cfg) for s in scheds) and all(kgen.fits(s, plain) for s in scheds):
+        if plain != cfg and not all(fits(s, cfg) for s in scheds) and all(fits(s, plain) for s in scheds):
             out[name] = plain
     return out
 
@@ -313,7 +313,7 @@ def _same_plan(plan_a: Plan, plan_b: Plan, n: int, m: int) -> None:
 
 def _launchable(spec) -> frozenset:
     """The sizes of the kernel it could take at launch (kernel.RUNTIME_SIZES)."""
-    return frozenset(kgen.RUNTIME_SIZES.get(kgen.schedule_of(spec).kind, ()))
+    return frozenset(schedules.RUNTIME_SIZES.get(schedules.schedule_of(spec).kind, ()))
 
 
 def _runtime_sizes(a: KernelInfo, b: KernelInfo, n: int, m: int, may: frozenset) -> dict:
@@ -355,7 +355,7 @@ def _check_band(spec, n: int) -> None:
     removes at larger sizes was never seen: not sized."""
     from .attention import streams
 
-    if kgen.schedule_of(spec).band is None:
+    if schedules.schedule_of(spec).band is None:
         return
     for node in _static_parts(streams(spec)[0].args[0]):
         if node.op == "const" and not ops.is_float(node.dtype) and abs(int(node.attrs[0])) >= n:

@@ -41,8 +41,8 @@ from ..errors import Unschedulable
 from ..runtime.cache import switched_on
 from ..schema import ops
 from ..schema.plan import Buffer, KernelSpec, Plan, PNode, contiguous_strides, rewrite_kernels, substitute
+from . import configs, schedules, tma
 from . import kernel as kgen
-from . import tma
 
 SPLIT_MIN_ELEMENTS = 1 << 21  # below this (4 MB of fp16 read), the second launch costs more than it saves
 SPLIT_MIN_CHUNK = 256  # shortest chunk of the reduced axis a stage-1 program reduces
@@ -78,7 +78,7 @@ def split_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:
             n.op == "load" and n.attrs[0].endswith(STAGE1_SUFFIX) for n in spec.walk()):
         return None  # a stage already
     try:
-        sched = kgen.schedule_of(spec)
+        sched = schedules.schedule_of(spec)
     except Unschedulable:
         return None
     if not _splittable(spec, sched):
@@ -95,7 +95,7 @@ def split_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:
     return first, second, partials
 
 
-def _splittable(spec: KernelSpec, sched: kgen.Schedule) -> bool:
+def _splittable(spec: KernelSpec, sched: schedules.Schedule) -> bool:
     if sched.kind != "reduction" or sched.rows * sched.cols < SPLIT_MIN_ELEMENTS:
         return False
     nodes = spec.walk()
@@ -108,22 +108,22 @@ def _splittable(spec: KernelSpec, sched: kgen.Schedule) -> bool:
         return False  # nested
     if any(root.numel == sched.rows * sched.cols and sched.cols != 1 for root, _ in spec.roots):
         return False  # a full-size output
-    programs = sched.grid(kgen.default_config(sched))[0]
+    programs = sched.grid(configs.default_config(sched))[0]
     return programs < SPLIT_WAVES * tma.sm_count() or FORCE_CHUNKS > 0
 
 
-def stage1_programs(sched: kgen.Schedule, chunks: int) -> int:
+def stage1_programs(sched: schedules.Schedule, chunks: int) -> int:
     """Programs of stage 1 with ``chunks`` chunks, under the default configuration (its
     reads run the way the single kernel's do)."""
     length = -(-sched.cols // chunks)
-    columns = sched.columns and length >= kgen.COLUMN_MIN
-    est = kgen.Schedule("reduction", rows=chunks * sched.rows, cols=length,
+    columns = sched.columns and length >= schedules.COLUMN_MIN
+    est = schedules.Schedule("reduction", rows=chunks * sched.rows, cols=length,
                         reduce_shape=(chunks, sched.rows, length), columns=columns,
-                        persistent=kgen.next_pow2(length) <= kgen.PERSISTENT_MAX and not columns)
-    return est.grid(kgen.default_config(est))[0]
+                        persistent=schedules.next_pow2(length) <= schedules.PERSISTENT_MAX and not columns)
+    return est.grid(configs.default_config(est))[0]
 
 
-def choose_chunks(sched: kgen.Schedule, sms: int) -> int:
+def choose_chunks(sched: schedules.Schedule, sms: int) -> int:
     """The chunk count S: the least that gives stage 1 ``SPLIT_WAVES * sms`` programs (a
     divisor of the axis within a factor of two of it where there is one: no padding, and
     the index keeps its digit structure), else the one that gives it the most programs.
@@ -131,7 +131,7 @@ def choose_chunks(sched: kgen.Schedule, sms: int) -> int:
     if FORCE_CHUNKS:
         return min(FORCE_CHUNKS, sched.cols)
     most = min(SPLIT_MAX, sched.cols // SPLIT_MIN_CHUNK)
-    best, best_programs = 0, sched.grid(kgen.default_config(sched))[0]
+    best, best_programs = 0, sched.grid(configs.default_config(sched))[0]
     for chunks in range(2, most + 1):
         programs = stage1_programs(sched, chunks)
         if programs >= SPLIT_WAVES * sms:
@@ -142,7 +142,7 @@ def choose_chunks(sched: kgen.Schedule, sms: int) -> int:
     return best
 
 
-def build_stages(spec: KernelSpec, sched: kgen.Schedule, chunks: int, buffers: dict) -> tuple:
+def build_stages(spec: KernelSpec, sched: schedules.Schedule, chunks: int, buffers: dict) -> tuple:
     """The two kernels and the partials buffers, one per reduction of ``spec``."""
     outer, cols, rows = tuple(sched.reduce_shape[:-1]), sched.cols, sched.rows
     length = -(-cols // chunks)

@@ -59,8 +59,8 @@ from ..rewrite.cost import device_model
 from ..runtime.cache import switched_on
 from ..schema import ops
 from ..schema.plan import Buffer, KernelSpec, Plan, PNode, rewrite_kernels, substitute
+from . import configs, schedules, tiles, tma
 from . import kernel as kgen
-from . import tiles, tma
 
 # Shared with split reductions: a stage-1 kernel's (and its buffers') suffix and name.
 from .split import STAGE1_SUFFIX, stage1_name
@@ -102,7 +102,7 @@ def split_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:
     if spec.name.endswith(STAGE1_SUFFIX):
         return None
     try:
-        sched = kgen.schedule_of(spec)
+        sched = schedules.schedule_of(spec)
     except Unschedulable:
         return None
     dot = single_product(spec, sched)
@@ -120,7 +120,7 @@ def split_kernel(spec: KernelSpec, buffers: dict) -> tuple | None:
     return first, second, partials
 
 
-def single_product(spec: KernelSpec, sched: kgen.Schedule) -> PNode | None:
+def single_product(spec: KernelSpec, sched: schedules.Schedule) -> PNode | None:
     """The kernel's one product if the kernel may split: a single unbatched float product
     with a long K and fewer output tiles than SMs (both waived under FORCE_CHUNKS)."""
     if sched.kind != "matmul" or sched.batch or sched.dots != 1 or sched.summed or sched.dot_dtype not in FLOATS:
@@ -135,12 +135,12 @@ def single_product(spec: KernelSpec, sched: kgen.Schedule) -> PNode | None:
     return dots[0]
 
 
-def output_tiles(sched: kgen.Schedule) -> int:
+def output_tiles(sched: schedules.Schedule) -> int:
     """Output tiles of the tile model's first choice (of every matrix of a batch)."""
-    return tiles.output_tiles(sched, kgen.default_config(sched))
+    return tiles.output_tiles(sched, configs.default_config(sched))
 
 
-def choose_chunks(spec: KernelSpec, dot: PNode, sched: kgen.Schedule) -> int:
+def choose_chunks(spec: KernelSpec, dot: PNode, sched: schedules.Schedule) -> int:
     """The chunk count S (module docstring); below 2 where the single kernel is modelled
     no slower than any split."""
     if FORCE_CHUNKS:
@@ -148,7 +148,7 @@ def choose_chunks(spec: KernelSpec, dot: PNode, sched: kgen.Schedule) -> int:
     return _best_split(spec, dot, sched, device_model())[0]
 
 
-def modelled_us(spec: KernelSpec, sched: kgen.Schedule, device) -> float:
+def modelled_us(spec: KernelSpec, sched: schedules.Schedule, device) -> float:
     """The modelled time of the kernel's product for extraction's costs, which weigh plans
     before any kernel is split: the single kernel's (the tile model's first choice;
     infinite where no tile fits), or, for a product with a computed operand, both stages
@@ -168,13 +168,13 @@ def modelled_us(spec: KernelSpec, sched: kgen.Schedule, device) -> float:
     return _best_split(spec, dot, sched, device, single)[1]
 
 
-def _best_split(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, device, single: float | None = None) -> tuple:
+def _best_split(spec: KernelSpec, dot: PNode, sched: schedules.Schedule, device, single: float | None = None) -> tuple:
     """(chunks, modelled us): the count whose two stages are modelled fastest, or (0, the
     single kernel's time) where none beats it by MIN_GAIN."""
     waves = MAX_WAVES_COMPUTED if sched.gathered_sides else MAX_WAVES
     most = min(sched.k // MIN_CHUNK, waves * tma.sm_count() // output_tiles(sched))
     counts = [s for s in range(2, most + 1) if sched.k % s == 0]  # no padding (module docstring)
-    single = single if single is not None else tiles.modelled_time_us(sched, kgen.default_config(sched), device)
+    single = single if single is not None else tiles.modelled_time_us(sched, configs.default_config(sched), device)
     best, best_us = 0, single * (1 - MIN_GAIN)
     for chunks in counts:
         us = split_time_us(spec, dot, sched, chunks, device)
@@ -183,12 +183,12 @@ def _best_split(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, device, sing
     return (best, best_us) if best else (0, single)
 
 
-def split_time_us(spec: KernelSpec, dot: PNode, sched: kgen.Schedule, chunks: int, device) -> float:
+def split_time_us(spec: KernelSpec, dot: PNode, sched: schedules.Schedule, chunks: int, device) -> float:
     """Modelled time of the two stages: stage 1 by the tile model (its first choice, which
     times the partials' store), stage 2 as the bytes it moves (the float32 partials read,
     the output written) at the memory bandwidth, and the second launch."""
-    first = kgen.schedule_of(KernelSpec("stage1", [(_chunked_product(dot, chunks), "partials")]))
-    stage1 = tiles.modelled_time_us(first, kgen.default_config(first), device)
+    first = schedules.schedule_of(KernelSpec("stage1", [(_chunked_product(dot, chunks), "partials")]))
+    stage1 = tiles.modelled_time_us(first, configs.default_config(first), device)
     partial_bytes = chunks * sched.m * sched.n * 4
     out_bytes = sum(root.numel * ops.itemsize(root.dtype) for root, _ in spec.roots)
     return stage1 + (partial_bytes + out_bytes) / device.bandwidth_bytes_per_us + device.launch_us

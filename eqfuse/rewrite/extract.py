@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 import networkx as nx
 import torch
 
-from ..codegen.kernel import generate, looped_passes, schedule_of
+from ..codegen.kernel import generate
+from ..codegen.schedules import looped_passes, schedule_of
 from ..errors import ExtractionError, Unschedulable
 from ..schema import ops
 from ..schema.eager_steps import underlying_op

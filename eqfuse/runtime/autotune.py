@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..codegen import kernel as kgen
+from ..codegen import configs as tile_configs  # looked up at each use: benchmarks patch its candidates
 from ..codegen.module import generate_module
 from ..errors import EqfuseError, one_line
 from .cache import cache_dir, cache_key, load_module, switched_on, write_atomic
@@ -102,7 +102,7 @@ def choose_configs(plan, infos, title, version, example_inputs, constants, measu
     measure = switched_on("EQFUSE_AUTOTUNE", measure)
     chosen, pending = _stored(plan, infos, version)
     if not measure:  # what first_choices takes for them
-        chosen.update({info.name: kgen.fallback_candidates(info.schedule)[0] for info, _ in pending
+        chosen.update({info.name: tile_configs.fallback_candidates(info.schedule)[0] for info, _ in pending
                        if info.name in unchecked})
         pending = [(info, key) for info, key in pending if info.name not in unchecked]
     if not pending:
@@ -120,7 +120,7 @@ def first_choices(plan, infos, version) -> dict:
     else the model's first choice (what an untimed ``choose_configs`` takes when it runs)."""
     chosen, pending = _stored(plan, infos, version)
     for info, _ in pending:
-        chosen[info.name] = kgen.fallback_candidates(info.schedule)[0]
+        chosen[info.name] = tile_configs.fallback_candidates(info.schedule)[0]
     return chosen
 
 
@@ -138,7 +138,7 @@ def _stored(plan, infos, version) -> tuple[dict, list]:
         sizes = {**info.schedule.sizes, "grid": list(info.schedule.grid(info.constexprs)[1:])}
         dtypes = [plan.buffers[p].dtype for p in info.params]
         key = cache_key(info.source, sizes, dtypes, device, version)
-        if key in store and kgen.fits(info.schedule, store[key]):
+        if key in store and tile_configs.fits(info.schedule, store[key]):
             chosen[info.name] = store[key]
         else:
             pending.append((info, key))
@@ -149,7 +149,7 @@ def _try_configs(pending, chosen, plan, title, version, example_inputs, constant
     """Fills ``chosen`` for the ``pending`` kernels. Returns the pool's outcome (or None) and
     the seconds spent compiling candidates and launching each once (not timing them)."""
     tensors = _scratch_tensors(plan, example_inputs, constants)
-    walk = kgen.tuning_candidates if measure else kgen.fallback_candidates
+    walk = tile_configs.tuning_candidates if measure else tile_configs.fallback_candidates
     candidates = {info.name: walk(info.schedule) for info, _ in pending}
     # The candidates a first pass launches (every one when timing, else each kernel's first),
     # in modules of one candidate per kernel: an untimed build's first choices are one
@@ -169,7 +169,7 @@ def _try_configs(pending, chosen, plan, title, version, example_inputs, constant
         # Past the candidates, their tiles with one stage: an operand gathered from several
         # reads can stage more shared memory than the tile model counts (TinyLM's backward:
         # 434 KB asked on an H100), and one stage stages the least
-        last_resorts = kgen.single_stage(candidates[info.name])
+        last_resorts = tile_configs.single_stage(candidates[info.name])
         for i, cfg in enumerate(candidates[info.name] + last_resorts):
             if runs and (not measure or i >= len(candidates[info.name])):
                 break  # an untimed build takes the first that launches; a last resort only where none did
