@@ -266,3 +266,14 @@ def test_training_a_product_of_halves_of_a_normalised_row():
         grads.append((out.detach(), xs.grad))
     assert_matches(grads[1][0], grads[0][0])
     assert_matches(grads[1][1], grads[0][1])
+
+
+@pytest.mark.parametrize("dims", [(0,), (-1,), ()])
+def test_a_flip_of_a_zero_dim_tensor_is_itself(dims):
+    """Seed 5695 flipped a full reduction's 0-d result along dim 0 (as eager allows): the
+    decomposition indexed its shape and the capture failed."""
+    def f(x):
+        return x.sum().flip(dims) * 2, x.flip(dims)
+    x = torch.randn(3, 5)
+    c = eqfuse.compile(f, (x,))
+    assert_matches(c(x), f(x))

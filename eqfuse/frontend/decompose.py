@@ -97,7 +97,10 @@ def _logcumsumexp(x, dim):
 
 def _flip_as_reads(x, dims):
     """``flip``: each flipped dim read backwards (index_select of a descending arange,
-    an indexed read that the kernel computes the index of as it goes)."""
+    an indexed read that the kernel computes the index of as it goes). A 0-d tensor (its
+    dim 0 or -1 is itself) and no dims at all give a copy."""
+    if x.dim() == 0 or not dims:
+        return x.clone()
     for d in dims:
         n = x.shape[d]
         x = x.index_select(d, torch.arange(n - 1, -1, -1, device=x.device))
