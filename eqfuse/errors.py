@@ -37,3 +37,9 @@ class ExtractionError(EqfuseError):
     def __init__(self, message: str, retry: bool = False):
         super().__init__(message)
         self.retry = retry  # the e-graph itself looked inconsistent: building again may help
+
+
+def kind_of(x) -> str:
+    """``x``'s type with its article, for a message: "a float", "an int", "a NoneType"."""
+    name = type(x).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"

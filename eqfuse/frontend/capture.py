@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..errors import CaptureError
+from ..errors import CaptureError, kind_of
 from . import decompose
 from .writes import in_place, reinplaced
 
@@ -348,7 +348,7 @@ def capture(fn: Callable, example_inputs) -> CapturedGraph:
     example_inputs = tuple(example_inputs)
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
-            raise CaptureError(f"input {i} is a {type(x).__name__}; eqfuse.compile takes tensors "
+            raise CaptureError(f"input {i} is {kind_of(x)}; eqfuse.compile takes tensors "
                                "(bind other arguments with functools.partial)")
     out_spec_box = []
 

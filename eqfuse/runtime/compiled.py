@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import EqfuseError, one_line
+from ..errors import EqfuseError, kind_of, one_line
 from ..schema.plan import BufArg, FallbackStep
 
 VERSION = "0.1.0"
@@ -160,7 +160,7 @@ def _checked_signature(inputs) -> tuple:
         return _signature(inputs)
     except AttributeError:
         i, x = next((i, x) for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor))
-        raise EqfuseError(f"input {i} is a {type(x).__name__}: a compiled graph takes tensors, as its "
+        raise EqfuseError(f"input {i} is {kind_of(x)}: a compiled graph takes tensors, as its "
                           "example inputs were (bind other arguments with functools.partial)") from None
 
 
@@ -287,7 +287,7 @@ class CompiledGraph:
     def _variant(self, inputs) -> _Variant:
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
-                raise EqfuseError(f"input {i} is a {type(x).__name__}; pass tensors "
+                raise EqfuseError(f"input {i} is {kind_of(x)}; pass tensors "
                                   "(bind other arguments with functools.partial)")
         devices = {x.device for x in inputs}
         if len(devices) > 1:
