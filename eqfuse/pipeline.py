@@ -326,12 +326,16 @@ def plan_only(fn, example_inputs, options):
     """The plan extracted for ``fn`` at its example inputs, and its capture (constants,
     output structure): the build's CPU stages without validation, code or kernels.
     Raises EqfuseError where the build would run the graph in eager."""
+    return with_frame_room(_plan_only, fn, example_inputs, options)
+
+
+def _plan_only(fn, example_inputs, options):
     from .frontend.capture import capture
 
     with BUILD_LOCK:
         captured = capture(fn, example_inputs)
         with _real_tensors():
-            plan, _, _ = with_frame_room(_extract, captured, options, {})
+            plan, _, _ = _extract(captured, options, {})
     return plan, captured
 
 
