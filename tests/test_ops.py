@@ -250,7 +250,7 @@ CUMSUMS = {
 
 @pytest.mark.parametrize("name", list(CUMSUMS))
 def test_cumsum_as_row_sums(name):
-    """A cumulative sum as the row sums of a triangle of the row (frontend/decompose.py):
+    """A cumulative sum as the row sums of a triangle of the row (frontend/decompose/):
     kernels, no eager step; its dtype as torch's (int64 for integers and bools, a dtype
     asked for kept), NaN and infinities carried on as eager carries them."""
     fn, make = CUMSUMS[name]
@@ -403,7 +403,7 @@ SORTS = {  # function, and where eager leaves the order of ties open, the values
 @pytest.mark.parametrize("name", list(SORTS))
 def test_sorts_are_ranks_over_the_rows_pairs(name):
     """sort, argsort, msort, topk beyond its passes, kthvalue, median and nanmedian as
-    ranks (frontend/decompose.py): kernels, no eager step; values eager's (NaN the
+    ranks (frontend/decompose/): kernels, no eager step; values eager's (NaN the
     largest, infinities, -0.0, denormals, ties), indices eager's where the order is
     stable, else each index one holding its value."""
     fn, held = SORTS[name]
@@ -454,9 +454,9 @@ def test_integer_sorts_whose_order_of_ties_is_open_stay_eager():
 
 
 def test_a_sort_past_its_work_bound_stays_eager_with_its_reason(monkeypatch):
-    from eqfuse.frontend import decompose
+    from eqfuse.frontend.decompose import bounds
 
-    monkeypatch.setattr(decompose, "CUMSUM_WORK", 4 * 8 * 8 - 1)  # one pair short
+    monkeypatch.setattr(bounds, "CUMSUM_WORK", 4 * 8 * 8 - 1)  # one pair short
     x = torch.randn(4, 8)
     c = eqfuse.compile(lambda x: torch.sort(x), (x,))
     assert [f.op for f in c.fallbacks] == ["sort"], c.explain()
@@ -473,8 +473,8 @@ def test_products_of_integers_stay_eager_with_their_reason():
 
 
 def test_a_cumsum_too_long_for_row_sums_stays_eager_with_its_reason(monkeypatch):
-    from eqfuse.frontend import decompose
-    monkeypatch.setattr(decompose, "CUMSUM_WORK", 100)
+    from eqfuse.frontend.decompose import bounds
+    monkeypatch.setattr(bounds, "CUMSUM_WORK", 100)
     x = torch.randn(4, 33)
     c = eqfuse.compile(lambda x: x.cumsum(-1) * 2, (x,))
     assert any("cumsum" in f.reason for f in c.fallbacks), c.explain()
@@ -493,7 +493,7 @@ PATCHES = {  # input, weight, stride: windows that tile the input
 @pytest.mark.parametrize("name", list(PATCHES))
 def test_a_convolution_whose_windows_tile_the_input_is_a_product(name):
     """stride = kernel size, no padding (a vision transformer's patch embedding): a matrix
-    product over a view of the input's patches (frontend/decompose.py), no eager step; the
+    product over a view of the input's patches (frontend/decompose/), no eager step; the
     output as eager's, contiguous as eager's, special values carried as eager's."""
     shape, weight_shape, stride = PATCHES[name]
     conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[len(shape)]
@@ -621,7 +621,7 @@ def _scatter_inputs(dtype=torch.float32):
 @pytest.mark.parametrize("name", list(SCATTERS))
 def test_scatters_with_several_values_per_position_are_reductions_over_the_index(name):
     """scatter, scatter_add, scatter_reduce, index_reduce, put, as_strided_scatter and
-    masked_scatter where several values name one position (frontend/decompose.py): kernels
+    masked_scatter where several values name one position (frontend/decompose/): kernels
     only, eager's values, special values included (NaN carried by a maximum, -0.0 kept
     where nothing lands)."""
     fn = SCATTERS[name]
@@ -633,7 +633,7 @@ def test_scatters_with_several_values_per_position_are_reductions_over_the_index
 
 @pytest.mark.parametrize("offset,dim1,dim2", [(0, 0, 1), (1, 0, 1), (-2, 0, 1), (0, 2, 0), (1, -1, 1)])
 def test_a_diagonal_scatter_reads_each_diagonal_element_in_place(offset, dim1, dim2):
-    """diagonal_scatter (frontend/decompose.py): src on the diagonal, each place reading
+    """diagonal_scatter (frontend/decompose/): src on the diagonal, each place reading
     its element, x elsewhere; one kernel, eager's values and special values."""
     torch.manual_seed(0)
     x = torch.randn(4, 5, 3)
@@ -698,7 +698,7 @@ FLIPS = {
 
 @pytest.mark.parametrize("name", list(FLIPS))
 def test_flip_reads_backwards_in_a_kernel(name):
-    """``flip`` as each dim read backwards (frontend/decompose.py): kernels, no eager step;
+    """``flip`` as each dim read backwards (frontend/decompose/): kernels, no eager step;
     every value, NaN, infinity and signed zero where eager puts it."""
     fn, dtype = FLIPS[name]
     x = (torch.randn(3, 4, 5) * 4).to(dtype)
@@ -740,7 +740,7 @@ def _rows_of_special_values():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
 def test_argmax_argmin_and_max_with_its_index_are_kernels(name, dtype):
     """argmax/argmin, max/min with their indices and of all elements, as reductions
-    (frontend/decompose.py): kernels, no eager step; the index of the first extreme, NaN the
+    (frontend/decompose/): kernels, no eager step; the index of the first extreme, NaN the
     extreme where a row has one, as eager's."""
     fn = POSITIONS[name]
     x = _rows_of_special_values()
@@ -776,7 +776,7 @@ POOLS = {
 
 @pytest.mark.parametrize("name", list(POOLS))
 def test_pooling_over_windows_is_a_kernel(name):
-    """Pooling (frontend/decompose.py): a reduction over each tile where the windows tile
+    """Pooling (frontend/decompose/): a reduction over each tile where the windows tile
     the input, else the windows' strided views combined; one kernel, no eager step; NaN,
     infinities and ties as eager's, max pooling's indices the first largest's in its plane."""
     x = torch.randn(2, 3, 9, 10)
@@ -1466,13 +1466,13 @@ def test_any_over_no_elements_is_false_and_all_is_true():
 
 
 def test_gather_of_several_indices_per_row_reads_them_and_scatter_past_its_work_bound_runs_in_eager(monkeypatch):
-    from eqfuse.frontend import decompose
+    from eqfuse.frontend.decompose import bounds
 
     x, index = torch.randn(4, 9), torch.randint(0, 9, (4, 3))
     c = eqfuse.compile(lambda x, i: x.gather(1, i) + 1, (x, index))
     assert len(c.kernels) == 1 and not c.fallbacks, c.explain()
     assert_matches(c(x, index), x.gather(1, index) + 1)
-    monkeypatch.setattr(decompose, "CUMSUM_WORK", 9 * 4 * 3 - 1)  # one comparison short
+    monkeypatch.setattr(bounds, "CUMSUM_WORK", 9 * 4 * 3 - 1)  # one comparison short
     c = eqfuse.compile(lambda x, i: x.scatter(1, i, 2.0) + 1, (x, index))
     assert [fb.op for fb in c.fallbacks] == ["scatter"] and "CUMSUM_WORK" in c.fallbacks[0].reason
     assert_matches(c(x, index), x.scatter(1, index, 2.0) + 1)
@@ -1550,7 +1550,7 @@ COPIES = {
     "unfold_copy": lambda x: torch.unfold_copy(x, 2, 2, 2),
     # a copy handed to an eager step that returns a view of it (resize_ runs in eager)
     "clone_resize": lambda x: x.clone().resize_(20, 10),
-    # copies of views, each a copying kernel (frontend/decompose.py)
+    # copies of views, each a copying kernel (frontend/decompose/)
     "permute_copy": lambda x: torch.permute_copy(x, (2, 0, 1)),
     "view_copy": lambda x: torch.view_copy(x, (20, 10)),
     "narrow_copy": lambda x: x.narrow_copy(1, 1, 2),
@@ -1801,7 +1801,7 @@ WRITES_AT_SEVERAL_POSITIONS = {  # (function, its positions, the values' shape):
 
 @pytest.mark.parametrize("name", list(WRITES_AT_SEVERAL_POSITIONS))
 def test_writes_at_several_positions_are_kernels(name):
-    """A static cache's prompt written at its positions (frontend/decompose.py): for each
+    """A static cache's prompt written at its positions (frontend/decompose/): for each
     position the last index naming it, then the values read there, or each position's sum
     of the values naming it where accumulating; kernels, no eager step; special values and
     signed zeros as eager's (a sum's aside)."""

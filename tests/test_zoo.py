@@ -220,7 +220,7 @@ def test_generation_with_a_static_cache_has_a_decode_step_of_kernels_only():
     runtime value). The decode step writes each layer's k and v at the step's position
     into the cache itself (index_copy made index_put_: frontend/writes.py), not into a
     new cache copied back; the prompt's graph makes the cache, writing its many positions
-    by a reduction over them and an indexed read (frontend/decompose.py). No other eager
+    by a reduction over them and an indexed read (frontend/decompose/). No other eager
     step; every step's logits are eager's."""
     family = zoo.BY_NAME["llama"]
     model = zoo.family_model(family, layers=LAYERS, device=DEVICE)

@@ -64,7 +64,7 @@ def _make_decomposition_table() -> dict:
     # whose CUDA kernel serialises the rows sharing an index (BERT's two token types: a
     # training step's three embedding backwards took 1953 us on an H200, Inductor's 62)
     table.pop(aten.embedding_dense_backward.default, None)
-    table.update(decompose.ADDED)  # and eqfuse's own (frontend/decompose.py)
+    table.update(decompose.ADDED)  # and eqfuse's own (frontend/decompose/)
     return {op: fn for op, fn in table.items() if "scaled_dot_product" not in str(op)}
 
 

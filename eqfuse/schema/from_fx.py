@@ -560,7 +560,7 @@ def _no_kernel_form(target) -> str:
     from ..frontend.decompose import ADDED
 
     if target in ADDED:
-        return (f"{_op_name(target)} is kernels only within its decomposition's bounds (frontend/decompose.py: "
+        return (f"{_op_name(target)} is kernels only within its decomposition's bounds (frontend/decompose/: "
                 f"CUMSUM_WORK comparisons, integers whose order of ties is open, or a case left to ATen), "
                 f"and these arguments are outside them")
     return f"{_op_name(target)} has no kernel form in eqfuse yet"

@@ -257,7 +257,7 @@ def _scatter(tr, node, base, dim, index, src, reduce=None):
     shape, dt = out_type(node)
     if reduce is not None or dim is None:
         raise Unsupported("scatter with more than one index per row, past CUMSUM_WORK comparisons of positions "
-                          "with indices (frontend/decompose.py), or of bools")
+                          "with indices (frontend/decompose/), or of bools")
     if isinstance(src, (BufferView, Computed)) and tuple(src.shape) != tuple(index.shape):
         raise Unsupported("scatter of a source larger than its index")
     value = tr.operand(src, shape, dt)
@@ -271,7 +271,7 @@ def _index_put(tr, node, x, indices, values, accumulate=False):
     update at a decode step's position, ``index_copy`` decomposed): ``values`` there, ``x``
     elsewhere (``x`` plus them where accumulating), pointwise. A position outside ``x``
     (eager raises) gives NaN throughout. Several positions along one dim arrive here only
-    where frontend/decompose.py declined them, and run in eager."""
+    where frontend/decompose/ declined them, and run in eager."""
     given = [d for d, i in enumerate(indices) if i is not None]
     shape, dt = out_type(node)
     if len(given) != 1 or len(indices[given[0]].shape) > 1 or math.prod(indices[given[0]].shape) != 1:
