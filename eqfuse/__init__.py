@@ -34,13 +34,11 @@ def compile(fn, example_inputs, **options) -> CompiledGraph:
     blocks compiled as its parts, the blocks once: a ``LayeredGraph``), and the others of
     ``eqfuse.Options``.
     """
-    from .frame_room import with_frame_room
     from .runtime import debug_dir
     from .runtime.layered import layered
 
     opts = Options.make(**options)
-    # a fresh chunk of CPython's frame stack for the whole of it (the blocks' split too)
-    compiled = with_frame_room(lambda: layered(fn, example_inputs, opts) or CompiledGraph(fn, example_inputs, opts))
+    compiled = layered(fn, example_inputs, opts) or CompiledGraph(fn, example_inputs, opts)
     debug_dir.dump(compiled, fn)  # under $EQFUSE_DEBUG_DIR only
     return compiled
 
